@@ -1,0 +1,73 @@
+"""raytrain-par: compare ways of parallelising training on a Ray cluster.
+
+    raytrain-par run EXPERIMENT.yaml [--address ADDR] [--set key=value ...] [--resume]
+    raytrain-par check EXPERIMENT.yaml [--set ...]      validate and print the resolved experiment
+    raytrain-par data EXPERIMENT.yaml                   prepare (and cache) the experiment's data set
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from .errors import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="raytrain-par", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def experiment_args(sp):
+        sp.add_argument("experiment", help="experiment YAML file")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field, e.g. --set train.epochs=3 (repeatable; value read as YAML)")
+
+    run = sub.add_parser("run", help="train one experiment on a Ray cluster")
+    experiment_args(run)
+    run.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
+    run.add_argument("--resume", action="store_true", help="continue the experiment's last run from its latest checkpoint")
+
+    check = sub.add_parser("check", help="validate an experiment and print it with every default filled in")
+    experiment_args(check)
+
+    prep = sub.add_parser("data", help="prepare the experiment's data set into the cache")
+    experiment_args(prep)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except UserError as e:
+        print(f"raytrain-par: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("raytrain-par: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args) -> int:
+    from .config import load_experiment
+
+    spec = load_experiment(args.experiment, args.overrides)
+    if args.command == "check":
+        print(yaml.safe_dump(spec.to_dict(), sort_keys=False), end="")
+        return 0
+    if args.command == "data":
+        from . import data
+
+        info = data.prepare(spec.data, spec.data.cache_dir)
+        print(f"{info.name}: {info.num_train} training rows, {info.num_val} validation rows in "
+              f"{info.train_path.rsplit('/', 1)[0]}")
+        return 0
+    from .driver import run_experiment
+
+    result = run_experiment(spec, address=args.address, resume=args.resume)
+    return 1 if result.error is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

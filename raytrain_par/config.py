@@ -1,0 +1,450 @@
+"""Experiment spec: YAML -> typed, validated dataclasses.
+
+Every mistake is found here, before Ray starts, and reported with the field, the value found and
+the fix. Unknown keys are errors. `--set a.b=value` overrides any field (the value is read as YAML).
+
+    name: quickstart
+    model: {name: gpt2-tiny, dropout: 0.0}
+    data: {name: kjv, seq_len: 128}
+    strategy: {name: ddp}
+    scaling: {num_workers: 2}
+    train: {global_batch_size: 32, max_steps: 200, lr: 1.0e-3, eval_every_steps: 50}
+    target: {metric: val_perplexity, value: 400}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from . import data as data_sets
+from . import models, strategies
+from .errors import ConfigError
+
+TOP_LEVEL = ("name", "model", "data", "strategy", "scaling", "train", "target", "output_dir")
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    dropout: float = 0.0
+    # vgg: channel multiplier of every layer, and the input size images are resized to (default: the data's)
+    width: float = 1.0
+    image_size: Optional[int] = None
+    # gpt2: override a preset's sizes
+    n_layer: Optional[int] = None
+    n_embd: Optional[int] = None
+    n_head: Optional[int] = None
+
+
+@dataclass
+class DataSpec:
+    name: str
+    path: Optional[str] = None  # wikitext-103 and imagenet-folder: where the files are
+    seq_len: int = 128  # text: tokens per training row
+    vocab_size: int = 8192  # text: size of the byte-level BPE trained on the corpus
+    val_fraction: Optional[float] = None  # None: the set's own validation split, else 5% held out
+    seed: int = 0  # seed of the train/validation split
+    image_size: Optional[int] = None  # imagenet-folder: size the images are decoded at (224)
+    loader: Optional[Literal["memory", "stream"]] = None  # default: memory, stream for path-based sets
+    max_val_samples: Optional[int] = None  # evaluate on the first N validation rows only
+    cache_dir: Optional[str] = None  # default $RAYTRAIN_PAR_CACHE or ~/.cache/raytrain-par
+
+    @property
+    def effective_loader(self) -> str:
+        return self.loader or ("stream" if self.name in data_sets.NEEDS_PATH else "memory")
+
+
+@dataclass
+class StrategySpec:
+    name: str
+    options: Any = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **dataclasses.asdict(self.options)}
+
+
+@dataclass
+class ScalingSpec:
+    num_workers: int = 1
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 1.0
+    backend: Optional[Literal["gloo", "nccl"]] = None  # default: nccl with GPUs, gloo without
+
+    @property
+    def effective_backend(self) -> str:
+        return self.backend or ("nccl" if self.use_gpu else "gloo")
+
+
+@dataclass
+class TrainSpec:
+    global_batch_size: int = 32
+    gradient_accumulation_steps: int = 1
+    epochs: Optional[int] = None  # with neither epochs nor max_steps: 1 epoch
+    max_steps: Optional[int] = None  # with both: whichever ends first
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3.0e-4
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
+    eps: float = 1.0e-8  # adamw
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    min_lr_ratio: float = 0.1  # cosine / linear decay ends at lr * min_lr_ratio
+    grad_clip: float = 0.0  # max gradient norm; 0: no clipping
+    seed: int = 0
+    eval_every_steps: Optional[int] = None  # default: at the end of every epoch
+    eval_at_start: bool = True  # a record before the first step: where every curve starts
+    checkpoint_every_evals: int = 1  # 0: no checkpoints
+    keep_checkpoints: int = 2
+    stop_at_target: bool = False  # end the run when the target is met
+    max_failures: int = 0  # worker failures to recover from (from the latest checkpoint)
+
+
+@dataclass
+class TargetSpec:
+    metric: str
+    value: float
+
+    @property
+    def mode(self) -> str:
+        return "max" if self.metric == "val_accuracy" else "min"
+
+    def met(self, value: float) -> bool:
+        return value >= self.value if self.mode == "max" else value <= self.value
+
+    def __str__(self) -> str:
+        return f"{self.metric} {'>=' if self.mode == 'max' else '<='} {self.value:g}"
+
+
+@dataclass
+class ExperimentSpec:
+    name: str
+    model: ModelSpec
+    data: DataSpec
+    strategy: StrategySpec = field(default_factory=lambda: StrategySpec("ddp"))
+    scaling: ScalingSpec = field(default_factory=ScalingSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    target: Optional[TargetSpec] = None
+    output_dir: str = "results"
+
+    # -- derived quantities --------------------------------------------------------------------
+    @property
+    def data_parallel_size(self) -> int:
+        return self.strategy.options.data_parallel_size(self.scaling.num_workers)
+
+    @property
+    def per_worker_batch(self) -> int:
+        """Rows each data-parallel rank reads per optimizer step (all micro-batches together)."""
+        return self.train.global_batch_size // self.data_parallel_size
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """Optimizer steps of the whole run: epochs x steps per epoch, capped by max_steps."""
+        t = self.train
+        by_epochs = (t.epochs if t.epochs is not None else (1 if t.max_steps is None else None))
+        candidates = [n for n in (by_epochs and by_epochs * steps_per_epoch, t.max_steps) if n]
+        return min(candidates)
+
+    @property
+    def results_dir(self) -> Path:
+        return Path(self.output_dir).expanduser().resolve() / self.name
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["strategy"] = self.strategy.to_dict()
+        return d
+
+
+# -- parsing ------------------------------------------------------------------------------------
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin is typing.Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+            type(None): "null"}.get(tp, str(tp))
+
+
+def _convert(value, tp, path: str):
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(value, inner, path)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(path, value, f"not one of {', '.join(map(repr, choices))}{hint}",
+                              f"set {path} to one of {', '.join(map(str, choices))}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(path, value, f"expected {_type_name(tp)}", f"write {path} as a YAML list, e.g. [0.9, 0.999]")
+        (inner,) = typing.get_args(tp)
+        return [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _from_mapping(tp, value, path)
+    ok = (
+        (tp is bool and isinstance(value, bool))
+        or (tp is int and isinstance(value, int) and not isinstance(value, bool))
+        or (tp is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (tp is str and isinstance(value, str))
+    )
+    if not ok:
+        if tp is float and isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?e[-+]?\d+", value.strip(), re.I):
+            return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        raise ConfigError(path, value, f"expected {_type_name(tp)}, got {type(value).__name__}",
+                          f"write {path} as {_type_name(tp)}")
+    return float(value) if tp is float else value
+
+
+def _from_mapping(cls, raw, path: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(path or "experiment", raw, "expected a mapping of keys to values",
+                          f"write {path or 'the experiment'} as `key: value` lines")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = [k for k in raw if k not in names]
+    if unknown:
+        k = unknown[0]
+        close = difflib.get_close_matches(str(k), names, n=1)
+        fix = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(_join(path, k), raw[k], "unknown key",
+                          f"{fix}remove it; known keys of {path or 'the experiment'}: {', '.join(names)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in raw:
+            kwargs[f.name] = _convert(raw[f.name], hints[f.name], _join(path, f.name))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(_join(path, f.name), None, "required key is missing",
+                              f"add `{f.name}:` under {path or 'the top level'}")
+    return cls(**kwargs)
+
+
+def _join(path: str, key) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def parse(raw: dict) -> ExperimentSpec:
+    """A raw mapping (from YAML, after overrides) -> a validated ExperimentSpec."""
+    if not isinstance(raw, dict):
+        raise ConfigError("experiment", raw, "the file does not hold a mapping", "start the file with `name: ...`")
+    raw = dict(raw)
+    strategy_raw = raw.pop("strategy", {"name": "ddp"})
+    if isinstance(strategy_raw, str):
+        strategy_raw = {"name": strategy_raw}
+    for key in ("model", "data"):
+        if isinstance(raw.get(key), str):  # `model: gpt2-tiny` is short for `model: {name: gpt2-tiny}`
+            raw[key] = {"name": raw[key]}
+    if isinstance(raw.get("target"), str):
+        raw["target"] = _parse_target_string(raw["target"])
+    spec = _from_mapping(ExperimentSpec, raw, "")
+    spec.strategy = _parse_strategy(strategy_raw)
+    validate(spec)
+    return spec
+
+
+def _parse_target_string(text: str) -> dict:
+    m = re.fullmatch(r"\s*(\w+)\s*(<=|>=)\s*([-+0-9.eE]+)\s*", text)
+    if not m:
+        raise ConfigError("target", text, "cannot read the target", "write it as `val_perplexity <= 200` or "
+                          "as a mapping {metric: val_perplexity, value: 200}")
+    return {"metric": m.group(1), "value": float(m.group(3))}
+
+
+def _parse_strategy(raw) -> StrategySpec:
+    if not isinstance(raw, dict) or "name" not in raw:
+        raise ConfigError("strategy", raw, "expected a mapping with a `name`",
+                          f"write e.g. `strategy: {{name: ddp}}`; strategies: {', '.join(strategies.NAMES)}")
+    name = raw["name"]
+    if name not in strategies.NAMES:
+        close = difflib.get_close_matches(str(name), strategies.NAMES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError("strategy.name", name, f"unknown strategy{hint}",
+                          f"use one of: {', '.join(strategies.NAMES)}")
+    options_cls = strategies.engine_class(name).Options
+    options = _from_mapping(options_cls, {k: v for k, v in raw.items() if k != "name"}, "strategy")
+    return StrategySpec(name, options)
+
+
+def _check(cond: bool, field_: str, value, problem: str, fix: str) -> None:
+    if not cond:
+        raise ConfigError(field_, value, problem, fix)
+
+
+def validate(spec: ExperimentSpec) -> None:
+    """Cross-field checks: names exist, numbers are in range, the parallel layout is possible."""
+    _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec.name)), "name", spec.name,
+           "must be letters, digits, '.', '_' or '-' (it names the results directory)", "rename it, e.g. my-experiment")
+    m, d, s, t = spec.model, spec.data, spec.scaling, spec.train
+
+    _check(m.name in models.NAMES, "model.name", m.name, "unknown model", f"use one of: {', '.join(models.NAMES)}")
+    _check(d.name in data_sets.NAMES, "data.name", d.name, "unknown data set", f"use one of: {', '.join(data_sets.NAMES)}")
+    model_kind, data_kind = models.data_kind(m.name), data_sets.kind_of(d.name)
+    _check(model_kind == data_kind, "data.name", d.name, f"{m.name} trains on {model_kind} data, {d.name} is {data_kind}",
+           f"use {'kjv or wikitext-103' if model_kind == 'text' else 'fashion-mnist, digits or imagenet-folder'}, "
+           "or another model")
+    _check(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "must be in [0, 1)", "use e.g. 0.1, or 0 for none")
+    _check(m.width > 0, "model.width", m.width, "must be > 0", "use 1.0 for the paper's VGG, 0.25 for a CPU-sized one")
+    if m.image_size is not None:
+        _check(m.image_size >= 4, "model.image_size", m.image_size, "must be >= 4", "use e.g. 32 or 224")
+    if m.name in models.GPT2_NAMES:
+        sizes = models.gpt2_sizes(m)
+        for k in ("n_layer", "n_embd", "n_head"):
+            _check(sizes[k] >= 1, f"model.{k}", sizes[k], "must be >= 1", "use a positive size")
+        _check(sizes["n_embd"] % sizes["n_head"] == 0, "model.n_head", sizes["n_head"],
+               f"n_embd {sizes['n_embd']} is not divisible by n_head {sizes['n_head']}",
+               "choose n_head dividing n_embd (e.g. 4 for n_embd 128)")
+    else:
+        for k in ("n_layer", "n_embd", "n_head"):
+            _check(getattr(m, k) is None, f"model.{k}", getattr(m, k), f"only GPT-2 models have {k}", "remove it")
+
+    if d.name in data_sets.NEEDS_PATH:
+        _check(bool(d.path), "data.path", d.path, f"{d.name} is read from a directory you provide",
+               "set data.path to the directory (on shared storage on a multi-node cluster)")
+    if data_kind == "text":
+        _check(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2", "use e.g. 128")
+        _check(d.vocab_size >= 260, "data.vocab_size", d.vocab_size, "must be >= 260 (256 bytes + special tokens)",
+               "use e.g. 8192")
+    if d.image_size is not None:
+        _check(d.name == "imagenet-folder", "data.image_size", d.image_size,
+               "only imagenet-folder images are decoded at a chosen size", "remove it; use model.image_size to resize")
+    if d.val_fraction is not None:
+        _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be in (0, 1)", "use e.g. 0.05")
+    if d.max_val_samples is not None:
+        _check(d.max_val_samples >= 1, "data.max_val_samples", d.max_val_samples, "must be >= 1", "remove it for all rows")
+
+    _check(s.num_workers >= 1, "scaling.num_workers", s.num_workers, "must be >= 1", "use e.g. 2")
+    _check(s.cpus_per_worker > 0, "scaling.cpus_per_worker", s.cpus_per_worker, "must be > 0", "use e.g. 1")
+    if s.use_gpu:
+        _check(s.gpus_per_worker > 0, "scaling.gpus_per_worker", s.gpus_per_worker, "must be > 0 with use_gpu",
+               "use 1 (one GPU per worker)")
+    _check(not (s.backend == "nccl" and not s.use_gpu), "scaling.backend", s.backend,
+           "NCCL needs GPUs but scaling.use_gpu is false", "set scaling.use_gpu: true, or backend: gloo")
+
+    _check(t.lr > 0, "train.lr", t.lr, "must be > 0", "use e.g. 3.0e-4 for AdamW, 0.01 for SGD")
+    _check(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0", "use e.g. 0.01, or 0")
+    _check(t.global_batch_size >= 1, "train.global_batch_size", t.global_batch_size, "must be >= 1", "use e.g. 32")
+    _check(t.gradient_accumulation_steps >= 1, "train.gradient_accumulation_steps", t.gradient_accumulation_steps,
+           "must be >= 1", "use 1 for no accumulation")
+    if t.epochs is not None:
+        _check(t.epochs >= 1, "train.epochs", t.epochs, "must be >= 1", "use e.g. 1")
+    if t.max_steps is not None:
+        _check(t.max_steps >= 1, "train.max_steps", t.max_steps, "must be >= 1", "use e.g. 100")
+    if t.eval_every_steps is not None:
+        _check(t.eval_every_steps >= 1, "train.eval_every_steps", t.eval_every_steps, "must be >= 1",
+               "use e.g. 50, or remove it to evaluate once per epoch")
+    _check(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0", "use 0 for no warm-up")
+    _check(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0", "use 1.0, or 0 for no clipping")
+    _check(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]", "use e.g. 0.1")
+    _check(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", t.betas,
+           "must be two numbers in [0, 1)", "use [0.9, 0.999]")
+    _check(t.momentum >= 0, "train.momentum", t.momentum, "must be >= 0", "use e.g. 0.9")
+    _check(t.checkpoint_every_evals >= 0, "train.checkpoint_every_evals", t.checkpoint_every_evals, "must be >= 0",
+           "use 1 to checkpoint at every evaluation, 0 never")
+    _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 1", "use e.g. 2")
+    _check(t.max_failures >= -1, "train.max_failures", t.max_failures, "must be >= 0 (or -1: retry forever)", "use e.g. 3")
+
+    spec.strategy.options.validate(spec, lambda *a: _check(False, *a))
+    dp = spec.data_parallel_size
+    per_step = dp * t.gradient_accumulation_steps
+    if t.global_batch_size % per_step:
+        lo = max(per_step, t.global_batch_size // per_step * per_step)
+        raise ConfigError("train.global_batch_size", t.global_batch_size,
+                          f"does not split evenly over {dp} data-parallel workers x {t.gradient_accumulation_steps} "
+                          "accumulation steps",
+                          f"use a multiple of {per_step}, e.g. {lo} or {lo + per_step}")
+    if d.effective_loader == "stream":
+        _check(dp == s.num_workers, "data.loader", "stream",
+               f"streaming splits data over all {s.num_workers} workers, but {spec.strategy.name} reads "
+               f"{dp} distinct batches", "use data.loader: memory")
+
+    if spec.target is not None:
+        metrics = models.task_metrics(m.name)
+        _check(spec.target.metric in metrics, "target.metric", spec.target.metric,
+               f"{m.name} does not produce it", f"use one of: {', '.join(metrics)}")
+        if spec.target.metric == "val_accuracy":
+            _check(0 < spec.target.value <= 1, "target.value", spec.target.value, "an accuracy is in (0, 1]",
+                   "use e.g. 0.85")
+        else:
+            _check(spec.target.value > 0, "target.value", spec.target.value, "must be > 0", "use e.g. 200")
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply `a.b=value` overrides (value read as YAML) to a raw experiment mapping, in order."""
+    raw = yaml.safe_load(yaml.safe_dump(raw)) if raw else {}
+    for item in overrides or ():
+        if "=" not in item:
+            raise ConfigError("--set", item, "expected KEY=VALUE", "write e.g. --set train.epochs=3")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts) or parts[0] not in TOP_LEVEL:
+            raise ConfigError("--set", item, f"{parts[0]!r} is not a top-level key",
+                              f"start the key with one of: {', '.join(TOP_LEVEL)}")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {key}", text, f"not valid YAML ({e.problem})", "quote strings, e.g. 'a b'")
+        node = raw
+        for i, p in enumerate(parts[:-1]):
+            child = node.get(p)
+            if child is None or isinstance(child, str) and p in ("model", "data", "strategy"):
+                child = {"name": child} if isinstance(child, str) else {}
+                node[p] = child
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}", text, f"{'.'.join(parts[:i + 1])} is not a mapping",
+                                  "set the parent key as a whole instead")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def read_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("experiment file", str(path), "no such file", "give the path of an experiment YAML, "
+                          "e.g. experiments/quickstart.yaml")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        raise ConfigError("experiment file", str(path), f"not valid YAML at {where}: {getattr(e, 'problem', e)}",
+                          "fix the YAML syntax there (indentation, a missing ':' or quote)") from None
+    return raw if raw is not None else {}
+
+
+def load_experiment(path: str | Path, overrides: list[str] | None = None, check_data: bool = True) -> ExperimentSpec:
+    """Read, override and validate an experiment; with `check_data`, also check its data is here."""
+    try:
+        spec = parse(apply_overrides(read_yaml(path), overrides or []))
+    except ConfigError as e:
+        raise e.with_source(str(path)) from None
+    if check_data:
+        data_sets.check_available(spec.data)
+    return spec
+
+
+def from_dict(d: dict) -> ExperimentSpec:
+    """The inverse of ExperimentSpec.to_dict (how workers receive the experiment)."""
+    return parse(d)

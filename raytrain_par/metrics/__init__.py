@@ -1,0 +1,1 @@
+"""Measurements: memory per worker, statistical efficiency, throughput."""

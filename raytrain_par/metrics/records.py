@@ -1,0 +1,106 @@
+"""The evaluation record: one row per evaluation, the same columns for every strategy.
+
+Workers each report a dict; `merge` turns the reports of one evaluation into one record (the
+training figures are the same on every rank; memory differs per worker, so the record keeps the
+largest and the per-worker list). `RecordWriter` keeps `metrics.parquet` complete after every
+evaluation, so a crash leaves every record written so far readable.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# Columns every record has, in order. Memory columns are per worker, reduced by max.
+COLUMNS = [
+    "experiment", "trial", "strategy", "num_workers", "global_batch_size", "epoch", "step", "samples_seen",
+    "wall_time_s", "elapsed_s", "startup_s", "train_loss", "val_loss", "val_perplexity", "val_accuracy", "lr",
+    "throughput", "step_time_s", "eval_time_s", "checkpoint_time_s", "target_met",
+    "mem_peak_bytes", "mem_model_state_bytes", "mem_param_bytes", "mem_grad_bytes", "mem_optim_bytes",
+]
+MEMORY = [c for c in COLUMNS if c.startswith("mem_")]
+
+
+def merge(reports: list[dict]) -> dict:
+    """The reports of all workers for one evaluation -> one record."""
+    first = reports[0]
+    record = {c: first.get(c) for c in COLUMNS if c not in MEMORY}
+    for c in MEMORY:
+        values = [r.get(c) for r in reports if r.get(c) is not None]
+        record[c] = max(values) if values else None
+        record[f"{c}_per_worker"] = values
+    for k, v in first.items():  # strategy-specific extras (e.g. a pipeline's bubble) travel along
+        if k not in record and k not in MEMORY:
+            record[k] = v
+    return record
+
+
+class RecordWriter:
+    """Appends records to <directory>/metrics.parquet, rewriting it atomically each time."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.records: list[dict] = read_records(self.path) if self.path.exists() else []
+
+    def append(self, record: dict) -> None:
+        # A resumed run repeats the evaluation of the checkpoint it resumed from: keep one per (trial, step).
+        self.records = [r for r in self.records if (r.get("trial"), r.get("step")) != (record.get("trial"), record.get("step"))]
+        self.records.append(record)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".parquet.tmp")
+        pq.write_table(pa.Table.from_pylist(self.records), tmp)
+        os.replace(tmp, self.path)
+
+
+def read_records(path: str | Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+def gib(n) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _metric_text(r: dict) -> str:
+    parts = [f"val_loss {r['val_loss']:.4f}"] if r.get("val_loss") is not None else []
+    if r.get("val_perplexity") is not None:
+        parts.append(f"ppl {r['val_perplexity']:.1f}")
+    if r.get("val_accuracy") is not None:
+        parts.append(f"acc {r['val_accuracy']:.3f}")
+    return "  ".join(parts)
+
+
+def progress_line(r: dict) -> str:
+    train = "" if r.get("train_loss") is None else f"train_loss {r['train_loss']:.4f}  "
+    return (f"[{r['experiment']}/{r['trial']}] step {r['step']:>6}  epoch {r['epoch']:.2f}  "
+            f"wall {r['wall_time_s']:7.1f}s  {train}{_metric_text(r)}  "
+            f"{r['throughput'] or 0:8.1f} samples/s  mem/worker {mib(r['mem_peak_bytes'])} MiB peak, "
+            f"{mib(r['mem_model_state_bytes'])} MiB model states"
+            + ("  [target met]" if r.get("target_met") else ""))
+
+
+def table(records: Iterable[dict]) -> str:
+    """A fixed-width table of records for the terminal."""
+    head = ["step", "epoch", "wall_s", "train_loss", "val_loss", "val_ppl", "val_acc", "samples/s", "peak_MiB",
+            "states_MiB"]
+    rows = []
+    for r in records:
+        rows.append([
+            str(r["step"]), f"{r['epoch']:.2f}", f"{r['wall_time_s']:.1f}",
+            "-" if r.get("train_loss") is None else f"{r['train_loss']:.4f}",
+            "-" if r.get("val_loss") is None else f"{r['val_loss']:.4f}",
+            "-" if r.get("val_perplexity") is None else f"{r['val_perplexity']:.1f}",
+            "-" if r.get("val_accuracy") is None else f"{r['val_accuracy']:.3f}",
+            f"{r.get('throughput') or 0:.1f}", mib(r.get("mem_peak_bytes")), mib(r.get("mem_model_state_bytes")),
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,35 @@
+"""GPT-2 language models from transformers configs, randomly initialised (nothing downloads)."""
+
+from __future__ import annotations
+
+from transformers import GPT2Config, GPT2LMHeadModel
+
+# Sizes follow the GPT-2 paper for small/medium/large; tiny and mini are CPU-sized members of the
+# same family for tests and quickstarts.
+PRESETS: dict[str, dict[str, int]] = {
+    "gpt2-tiny": dict(n_layer=2, n_embd=128, n_head=4),
+    "gpt2-mini": dict(n_layer=4, n_embd=256, n_head=4),
+    "gpt2-small": dict(n_layer=12, n_embd=768, n_head=12),
+    "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16),
+    "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20),
+}
+
+
+def gpt2_config(sizes: dict[str, int], vocab_size: int, seq_len: int, dropout: float) -> GPT2Config:
+    """`sizes`: n_layer, n_embd, n_head (a preset, possibly with some of them overridden)."""
+    return GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=seq_len,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        # token 0 is the tokenizer's <|endoftext|>; GPT-2's own id (50256) is outside our vocabularies
+        bos_token_id=0,
+        eos_token_id=0,
+        **sizes,
+    )
+
+
+def build_gpt2(config: GPT2Config) -> GPT2LMHeadModel:
+    return GPT2LMHeadModel(config)
+

@@ -1,0 +1,95 @@
+"""Data parallel: PyTorch DistributedDataParallel.
+
+Every rank holds the whole model and optimizer; gradients are averaged with bucketed all-reduces
+overlapping the backward pass. The model is wrapped with torch's DDP directly rather than through
+`ray.train.torch.prepare_model` (which does the same wrapping) so that this engine also runs under
+torchrun and in plain process groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
+
+
+@dataclass
+class Options:
+    """`strategy:` keys for ddp."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True  # gradients live inside the all-reduce buckets: one copy, not two
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+
+    def validate(self, spec, error) -> None:
+        if self.bucket_cap_mb <= 0:
+            error("strategy.bucket_cap_mb", self.bucket_cap_mb, "must be > 0", "use e.g. 25 (PyTorch's default)")
+
+    @staticmethod
+    def data_parallel_size(num_workers: int) -> int:
+        return num_workers
+
+
+class DDPEngine(Engine):
+    Options = Options
+
+    def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
+        super().__init__(model, task, train, options, ctx, total_steps)
+        self.model = model.to(self.device)
+        if ctx.distributed:
+            self.module = DistributedDataParallel(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                bucket_cap_mb=options.bucket_cap_mb,
+                gradient_as_bucket_view=options.gradient_as_bucket_view,
+                find_unused_parameters=options.find_unused_parameters,
+                static_graph=options.static_graph,
+            )
+        else:
+            self.module = self.model
+        self.optimizer = build_optimizer(self.model, train)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train, total_steps))
+
+    def train_step(self, batch):
+        micro = split_batch(batch, self.train.gradient_accumulation_steps)
+        total = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            # Only the last micro-batch all-reduces; the others accumulate locally.
+            sync = contextlib.nullcontext() if last or not self.ctx.distributed else self.module.no_sync()
+            with sync:
+                loss = self.task.loss(self.module, self.task.prepare(mb, self.device)) / len(micro)
+                loss.backward()
+            total += loss.detach()
+        if self.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
+        self.optimizer.step()
+        self.note_memory()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total
+
+    def eval_module(self):
+        return self.model
+
+    # Replicated state: rank 0 writes it, every rank reads the same file.
+    def save(self, directory: Path) -> None:
+        if self.ctx.rank == 0:
+            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict()}, directory / "ddp.pt")
+
+    def load(self, directory: Path) -> None:
+        state = load_tensors(directory / "ddp.pt", self.device)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_state_dict(self):
+        return self.model.state_dict()

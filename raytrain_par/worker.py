@@ -1,0 +1,300 @@
+"""The training loop every worker runs, the same for every strategy.
+
+`Trainer` is the loop: batches -> engine.train_step, periodic evaluation, one record and (maybe) a
+checkpoint per evaluation. It does not know Ray: a `Reporter` delivers records and checkpoints.
+`train_loop_per_worker` is the Ray Train entry point: it reads the Ray Data shards and reports
+through `ray.train.report`. `LocalReporter` serves torchrun and tests.
+
+Timing: `wall_time_s` counts training only (steps, including their communication), not the time
+spent evaluating, checkpointing or reporting, so that curves of validation quality against wall
+time compare strategies rather than evaluation schedules; `elapsed_s` is the plain elapsed time
+since training started, and `startup_s` the time before it (model build, data load, wrapping).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from . import models, strategies
+from .config import ExperimentSpec
+from .data.loader import MemoryLoader, StreamLoader, eval_batches
+from .data.shards import DatasetInfo
+from .metrics.records import RecordWriter, merge, progress_line
+from .strategies import DistContext, Engine
+
+
+@dataclass
+class LoopState:
+    """Where training stands; saved with every checkpoint so that a resumed run continues exactly."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    samples_seen: int = 0
+    wall_time_s: float = 0.0
+    elapsed_s: float = 0.0
+    eval_time_s: float = 0.0
+    checkpoint_time_s: float = 0.0
+    evals: int = 0
+    target_met: bool = False
+
+
+class Reporter:
+    """Where records and checkpoints go."""
+
+    def report(self, metrics: dict, checkpoint_dir: Path | None) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def restored(self) -> Iterator[Path | None]:
+        """The checkpoint directory to resume from, if any."""
+        yield None
+
+
+class Trainer:
+    def __init__(self, spec: ExperimentSpec, info: DatasetInfo, ctx: DistContext, reporter: Reporter,
+                 train_loader: Callable[[Engine], MemoryLoader | StreamLoader], val_arrays: dict[str, torch.Tensor],
+                 trial: str = "run", startup_s: float = 0.0, log: Callable[[str], None] = print):
+        self.spec, self.info, self.ctx, self.reporter = spec, info, ctx, reporter
+        self.val_arrays, self.trial, self.log = val_arrays, trial, log
+        self.t_setup = time.perf_counter() - startup_s
+        model, self.task = models.build(spec.model, info, spec.train.seed)
+        self.total_steps = spec.total_steps(steps_per_epoch(spec, info))
+        self.engine = strategies.build_engine(spec.strategy, model, self.task, spec.train, ctx, self.total_steps)
+        self.loader = train_loader(self.engine)
+        assert self.loader.steps_per_epoch == steps_per_epoch(spec, info)
+        self.state = LoopState()
+        self.records: list[dict] = []
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        with self.reporter.restored() as directory:
+            if directory is not None:
+                self._load(directory)
+                self.log(f"resumed from {directory} at step {self.state.step}")
+        spec, state = self.spec, self.state
+        self.startup_s = time.perf_counter() - self.t_setup
+        t_begin = time.perf_counter() - state.elapsed_s
+        if state.step == 0 and spec.train.eval_at_start and state.evals == 0:
+            self._evaluate_and_report(train_loss=None, interval_s=0.0, interval_steps=0, t_begin=t_begin)
+        every, steps_per_epoch = spec.train.eval_every_steps, self.loader.steps_per_epoch
+        running, steps_in_interval, t_interval = torch.zeros(()), 0, time.perf_counter()
+        stop = False
+        while state.step < self.total_steps and not stop:
+            for batch in self.loader.epoch(state.epoch, state.step_in_epoch):
+                running = running + self.engine.train_step(batch).float().cpu()
+                steps_in_interval += 1
+                state.step += 1
+                state.step_in_epoch += 1
+                state.samples_seen += spec.train.global_batch_size
+                epoch_done = state.step_in_epoch == steps_per_epoch
+                if epoch_done:
+                    state.epoch, state.step_in_epoch = state.epoch + 1, 0
+                last = state.step >= self.total_steps
+                if last or (every and state.step % every == 0) or (every is None and epoch_done):
+                    local_mean = running / steps_in_interval  # .cpu() above waited for the device
+                    interval_s = time.perf_counter() - t_interval
+                    state.wall_time_s += interval_s
+                    train_loss = float(self.engine.dp_sum(local_mean.to(self.engine.device)).cpu()) / self.engine.dp_size
+                    stop = self._evaluate_and_report(train_loss, interval_s, steps_in_interval, t_begin, last)
+                    running, steps_in_interval, t_interval = torch.zeros(()), 0, time.perf_counter()
+                if epoch_done or last or stop:
+                    break
+        return self.records
+
+    def _evaluate_and_report(self, train_loss: float | None, interval_s: float, interval_steps: int, t_begin: float,
+                             last: bool = False) -> bool:
+        spec, state = self.spec, self.state
+        t0 = time.perf_counter()
+        val = self.engine.evaluate(eval_batches(self.val_arrays, spec.per_worker_batch, self.engine.dp_rank,
+                                                self.engine.dp_size, spec.data.max_val_samples))
+        state.eval_time_s += time.perf_counter() - t0
+        state.evals += 1
+        target = spec.target
+        met = bool(target is not None and target.met(val[target.metric]))
+        state.target_met = state.target_met or met
+        stop = met and spec.train.stop_at_target
+        record = {
+            "experiment": spec.name, "trial": self.trial, "strategy": spec.strategy.name,
+            "num_workers": spec.scaling.num_workers, "global_batch_size": spec.train.global_batch_size,
+            "epoch": state.step / self.loader.steps_per_epoch, "step": state.step, "samples_seen": state.samples_seen,
+            "wall_time_s": state.wall_time_s, "startup_s": self.startup_s, "train_loss": train_loss,
+            "val_loss": val["val_loss"], "val_perplexity": val.get("val_perplexity"),
+            "val_accuracy": val.get("val_accuracy"), "lr": self.engine.lr,
+            "throughput": interval_steps * spec.train.global_batch_size / interval_s if interval_s else None,
+            "step_time_s": interval_s / interval_steps if interval_steps else None,
+            "eval_time_s": state.eval_time_s, "target_met": met,
+            **self.engine.memory(),
+        }
+        checkpoint = None
+        every = spec.train.checkpoint_every_evals
+        if every and state.step > 0 and (state.evals % every == 0 or last or stop):
+            t1 = time.perf_counter()
+            checkpoint = Path(tempfile.mkdtemp(prefix="raytrain-par-ckpt-"))
+            state.elapsed_s = time.perf_counter() - t_begin
+            self._save(checkpoint)
+            state.checkpoint_time_s += time.perf_counter() - t1
+        record["checkpoint_time_s"] = state.checkpoint_time_s
+        record["elapsed_s"] = time.perf_counter() - t_begin
+        self.records.append(record)
+        try:
+            self.reporter.report(record, checkpoint)
+        finally:
+            if checkpoint is not None:
+                shutil.rmtree(checkpoint, ignore_errors=True)
+        return stop
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _save(self, directory: Path) -> None:
+        self.engine.save(directory)
+        rng = {"torch": torch.get_rng_state()}
+        if self.ctx.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
+        torch.save(rng, directory / f"rng-rank{self.ctx.rank}.pt")
+        if self.ctx.rank == 0:
+            meta = {"state": asdict(self.state), "experiment": self.spec.to_dict(), "format": 1}
+            (directory / "loop.json").write_text(json.dumps(meta, indent=1))
+
+    def _load(self, directory: Path) -> None:
+        meta = json.loads((directory / "loop.json").read_text())
+        self.state = LoopState(**meta["state"])
+        self.engine.load(directory)
+        rng_file = directory / f"rng-rank{self.ctx.rank}.pt"
+        if rng_file.exists():
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and self.ctx.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], self.ctx.device)
+
+
+class LocalReporter(Reporter):
+    """Reporter without Ray (torchrun, tests): rank 0 writes records; checkpoints go to <root>/checkpoint_N,
+    every rank writing its own files into the same directory."""
+
+    def __init__(self, root: str | Path, rank: int, world_size: int, resume: bool = False, log=print):
+        self.root, self.rank, self.world, self.log = Path(root), rank, world_size, log
+        self.resume = resume
+        self.writer = RecordWriter(self.root / "metrics.parquet") if rank == 0 else None
+        self.count = len(list(self.root.glob("checkpoint_*"))) if self.root.exists() else 0
+
+    def report(self, metrics, checkpoint_dir):
+        if self.writer is not None:
+            self.writer.append(merge([metrics]))
+            self.log(progress_line(metrics))
+        if checkpoint_dir is not None:
+            target = self.root / f"checkpoint_{self.count:06d}"
+            target.mkdir(parents=True, exist_ok=True)
+            for f in checkpoint_dir.iterdir():
+                shutil.copy2(f, target / f.name)
+            self.count += 1
+        if self.world > 1:
+            torch.distributed.barrier()
+
+    @contextmanager
+    def restored(self):
+        found = sorted(self.root.glob("checkpoint_*")) if self.resume else []
+        yield found[-1] if found else None
+
+
+def steps_per_epoch(spec: ExperimentSpec, info: DatasetInfo) -> int:
+    """Optimizer steps in one pass over the training rows (incomplete global batches are dropped)."""
+    if spec.data.effective_loader == "memory":
+        return info.num_train // spec.train.global_batch_size
+    return (info.num_train // spec.scaling.num_workers) // spec.per_worker_batch
+
+
+def memory_train_loader(spec: ExperimentSpec, arrays: dict[str, torch.Tensor]):
+    """Loader factory for the in-memory loader: this rank's slice of each seeded global batch."""
+    def make(engine: Engine) -> MemoryLoader:
+        return MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
+    return make
+
+
+# -- Ray Train entry point ---------------------------------------------------------------------
+
+class RayReporter(Reporter):
+    def report(self, metrics, checkpoint_dir):
+        import ray.train
+
+        checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=checkpoint)
+
+    @contextmanager
+    def restored(self):
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            yield None
+            return
+        with checkpoint.as_directory() as d:
+            yield Path(d)
+
+
+def quiet_ray_logs() -> None:
+    """Keep Ray Data's per-dataset and Ray Train's per-report INFO lines off the console: a run
+    prints one progress line per evaluation instead. (Ray Train names that logger after its file,
+    outside the `ray.train` hierarchy that RunConfig's LoggingConfig filters.)"""
+    import logging
+
+    from ray.train.v2._internal.execution import context as train_context
+
+    level = os.environ.get("RAYTRAIN_PAR_RAY_LOG_LEVEL", "WARNING")
+    logging.getLogger(train_context.__file__).setLevel(level)
+    logging.getLogger("ray.data").setLevel(level)
+
+
+def _read_shard(name: str, info: DatasetInfo) -> dict[str, torch.Tensor]:
+    import ray.train
+
+    from .data.shards import concat, decode
+
+    shard = ray.train.get_dataset_shard(name)
+    return concat(decode(info, b) for b in shard.iter_batches(batch_size=4096, batch_format="numpy"))
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """What each Ray Train worker runs. `config`: {"experiment": spec dict, "data": DatasetInfo dict, "trial": str}."""
+    import ray.train
+    import ray.train.torch
+
+    from .config import from_dict
+    from .data.shards import decode
+
+    t0 = time.perf_counter()
+    quiet_ray_logs()
+    spec = from_dict(config["experiment"])
+    info = DatasetInfo.from_json(config["data"])
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    context = ray.train.get_context()
+    ctx = DistContext(context.get_world_rank(), context.get_world_size(), context.get_local_rank(),
+                      ray.train.torch.get_device())
+    val = _read_shard("val", info)
+    if spec.data.effective_loader == "memory":
+        train_loader = memory_train_loader(spec, _read_shard("train", info))
+    else:
+        shard = ray.train.get_dataset_shard("train")
+        rows_per_worker = info.num_train // ctx.world_size
+
+        def train_loader(engine: Engine) -> StreamLoader:
+            def batches(epoch: int):
+                for b in shard.iter_batches(batch_size=spec.per_worker_batch, batch_format="numpy", drop_last=True,
+                                            local_shuffle_buffer_size=max(4 * spec.per_worker_batch, 1024),
+                                            local_shuffle_seed=spec.train.seed * 100_003 + epoch):
+                    yield decode(info, b)
+            return StreamLoader(batches, spec.per_worker_batch, rows_per_worker)
+
+    log = print if ctx.rank == 0 else (lambda *_: None)
+    trainer = Trainer(spec, info, ctx, RayReporter(), train_loader, val, trial=config.get("trial", "run"),
+                      startup_s=time.perf_counter() - t0, log=log)
+    trainer.run()

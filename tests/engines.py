@@ -1,0 +1,38 @@
+"""Helpers that train an engine for a few steps on one rank of a process group (see dist.py) and
+return what parity tests compare: the global loss of every step and the final model."""
+
+from __future__ import annotations
+
+import torch
+
+from raytrain_par import config, models, strategies
+from raytrain_par.data.loader import MemoryLoader
+from raytrain_par.data.shards import DatasetInfo, read_split
+from raytrain_par.strategies import DistContext
+
+
+def experiment(model="gpt2-tiny", data="kjv", strategy="ddp", workers=1, batch=16, steps=4, **train) -> dict:
+    spec = {"name": "parity", "model": model if isinstance(model, dict) else {"name": model},
+            "data": data if isinstance(data, dict) else {"name": data},
+            "strategy": strategy if isinstance(strategy, dict) else {"name": strategy},
+            "scaling": {"num_workers": workers},
+            "train": {"global_batch_size": batch, "max_steps": steps, "lr": 1e-3, **train}}
+    return config.parse(spec).to_dict()
+
+
+def train_steps(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: int) -> dict:
+    """Train `steps` optimizer steps; returns {'losses': [global loss per step], 'state': full state dict,
+    'memory': engine.memory()}."""
+    spec = config.from_dict(spec_dict)
+    info = DatasetInfo.from_json(info_dict)
+    model, task = models.build(spec.model, info, spec.train.seed)
+    ctx = DistContext.current(torch.device("cpu"))
+    engine = strategies.build_engine(spec.strategy, model, task, spec.train, ctx, total_steps=steps)
+    loader = MemoryLoader(read_split(info, info.train_path), spec.train.global_batch_size, engine.dp_rank,
+                          engine.dp_size, spec.train.seed)
+    losses = []
+    for i, batch in zip(range(steps), loader.epoch(0)):
+        local = engine.train_step(batch)
+        losses.append(float(engine.dp_sum(local.clone())) / engine.dp_size)
+    state = {k: v.detach().cpu().clone() for k, v in engine.full_state_dict().items()}
+    return {"losses": losses, "state": state if rank == 0 else None, "memory": engine.memory()}
