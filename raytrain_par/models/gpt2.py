@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from transformers import GPT2Config, GPT2LMHeadModel
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # transformers takes seconds to import: only processes that build a GPT-2 pay for it
+    from transformers import GPT2Config, GPT2LMHeadModel
 
 # Sizes follow the GPT-2 paper for small/medium/large; tiny and mini are CPU-sized members of the
 # same family for tests and quickstarts.
@@ -17,6 +20,8 @@ PRESETS: dict[str, dict[str, int]] = {
 
 def gpt2_config(sizes: dict[str, int], vocab_size: int, seq_len: int, dropout: float) -> GPT2Config:
     """`sizes`: n_layer, n_embd, n_head (a preset, possibly with some of them overridden)."""
+    from transformers import GPT2Config
+
     return GPT2Config(
         vocab_size=vocab_size,
         n_positions=seq_len,
@@ -31,5 +36,7 @@ def gpt2_config(sizes: dict[str, int], vocab_size: int, seq_len: int, dropout: f
 
 
 def build_gpt2(config: GPT2Config) -> GPT2LMHeadModel:
+    from transformers import GPT2LMHeadModel
+
     return GPT2LMHeadModel(config)
 
