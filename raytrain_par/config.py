@@ -28,7 +28,7 @@ from . import data as data_sets
 from . import models, strategies
 from .errors import ConfigError
 
-TOP_LEVEL = ("name", "model", "data", "strategy", "scaling", "train", "target", "output_dir")
+TOP_LEVEL = ("name", "model", "data", "strategy", "scaling", "train", "target", "output_dir", "sweep")
 
 
 @dataclass
@@ -135,6 +135,8 @@ class ExperimentSpec:
     train: TrainSpec = field(default_factory=TrainSpec)
     target: Optional[TargetSpec] = None
     output_dir: str = "results"
+    # Search space of `raytrain-par sweep` (field path -> values); `run` trains the file's own values.
+    sweep: Optional[dict] = None
 
     # -- derived quantities --------------------------------------------------------------------
     @property
@@ -202,6 +204,10 @@ def _convert(value, tp, path: str):
         return [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
     if dataclasses.is_dataclass(tp):
         return _from_mapping(tp, value, path)
+    if tp is dict or origin is dict:  # a free-form mapping, checked by whoever reads it
+        if not isinstance(value, dict):
+            raise ConfigError(path, value, "expected a mapping", f"write {path} as `key: value` lines")
+        return value
     ok = (
         (tp is bool and isinstance(value, bool))
         or (tp is int and isinstance(value, int) and not isinstance(value, bool))
