@@ -54,3 +54,25 @@ def peak_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class SavedTensorCensus:
+    """Activation bytes: the distinct storages autograd saves for backward while this context is active
+    (through torch's saved-tensors hooks), leaving out `exclude` (the parameters, which matmuls save
+    too). Entered around one forward pass, it counts what that pass keeps alive until its backward."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self.seen = {t.untyped_storage().data_ptr() for t in exclude}
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.bytes += storage_bytes([t], self.seen)
+        return t
+
+    def __enter__(self) -> "SavedTensorCensus":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

@@ -40,3 +40,16 @@ def build_gpt2(config: GPT2Config) -> GPT2LMHeadModel:
 
     return GPT2LMHeadModel(config)
 
+
+
+# How GPT-2's layers split for Megatron-style tensor parallel (Shoeybi et al. 2019), by module name:
+# q, k, v (fused in c_attn) and the first MLP layer by output column, the attention output and the
+# second MLP layer by input row, the token embedding (tied with the LM head) by vocabulary row.
+# Everything else (position embedding, layer norms) is replicated.
+TENSOR_PARALLEL_PLAN: dict[str, str] = {
+    r"transformer\.wte": "vocab",
+    r"transformer\.h\.\d+\.attn\.c_attn": "colwise_qkv",
+    r"transformer\.h\.\d+\.attn\.c_proj": "rowwise",
+    r"transformer\.h\.\d+\.mlp\.c_fc": "colwise",
+    r"transformer\.h\.\d+\.mlp\.c_proj": "rowwise",
+}

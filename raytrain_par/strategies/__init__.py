@@ -9,6 +9,7 @@ from .base import DistContext, Engine
 
 REGISTRY: dict[str, str] = {
     "ddp": "raytrain_par.strategies.ddp:DDPEngine",
+    "megatron": "raytrain_par.strategies.megatron:MegatronEngine",
 }
 NAMES = tuple(REGISTRY)
 
