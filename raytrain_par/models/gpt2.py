@@ -31,6 +31,9 @@ def gpt2_config(sizes: dict[str, int], vocab_size: int, seq_len: int, dropout: f
         # token 0 is the tokenizer's <|endoftext|>; GPT-2's own id (50256) is outside our vocabularies
         bos_token_id=0,
         eos_token_id=0,
+        # Training only: with a key/value cache every attention layer would keep copies of k and v
+        # for backward (2 x batch x seq x n_embd floats per layer) instead of views of c_attn's output.
+        use_cache=False,
         **sizes,
     )
 

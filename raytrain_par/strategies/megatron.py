@@ -303,11 +303,10 @@ class MegatronEngine(Engine):
         sums = self.dp_sum(sums)
         return self.task.summarize(*[float(x) for x in sums])
 
-    def memory(self) -> dict[str, int]:
-        out = super().memory()
-        if self.activation_bytes is not None:
-            out["mem_activation_bytes"] = self.activation_bytes
-        return {**out, **self.step_comm}
+    def memory(self) -> dict[str, int | None]:
+        # Every key from the first record on (None until measured): records.parquet takes its columns
+        # from the first record.
+        return {**super().memory(), "mem_activation_bytes": self.activation_bytes, **self.step_comm}
 
     # -- gathering and re-splitting ----------------------------------------------------------------
     def _join(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
