@@ -21,6 +21,9 @@ STEPS = 4
 CLIP = {"gradient_accumulation_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "warmup_steps": 2,
         "lr_schedule": "cosine"}
 RESUME = {"eval_every_steps": 2, "lr_schedule": "constant"}
+# Weights after a few AdamW steps (lr 1e-3): its normalised step turns rounding differences in a
+# near-zero gradient into a difference of a fraction of lr in that one weight.
+WEIGHT_ATOL = 1e-4
 
 
 def megatron(t):
@@ -75,6 +78,11 @@ def train(spec_dict, info_dict, steps, attn_dropout=None, checkpoint=None):
     return out
 
 
+def odd_vocabulary(info_dict):
+    """The data set as if its tokenizer had come out at 8193 tokens (every id stays below 8192)."""
+    return {**info_dict, "vocab_size": 8193}
+
+
 def loop(spec_dict, info_dict, root, resume=False):
     """The worker's training loop (LocalReporter: checkpoints under root); returns its records."""
     from raytrain_par.worker import LocalReporter, Trainer, memory_train_loader
@@ -98,6 +106,7 @@ def tensor_parallel_scenarios(rank, world, info_dict, tmp):
         "attn_dropout": train(experiment({"name": "gpt2-tiny", "dropout": 0.1}, strategy=megatron(2), workers=2),
                               info_dict, STEPS, checkpoint=tmp / "engine"),
     }
+    out["padded"] = train(experiment(strategy=megatron(2), workers=2, steps=STEPS), odd_vocabulary(info_dict), STEPS)
     resume_spec = experiment(strategy=megatron(2), workers=2, steps=STEPS, **RESUME)
     resume_spec["data"]["max_val_samples"] = 32
     out["straight"] = loop(resume_spec, info_dict, tmp / "straight")
@@ -121,6 +130,7 @@ def reference_scenarios(rank, world, info_dict, tmp):
         "dropout": train(experiment({"name": "gpt2-tiny", "dropout": 0.1}, workers=1), info_dict, STEPS,
                          attn_dropout=0.0),
         "t1": train(experiment(strategy=megatron(1), workers=1, steps=STEPS), info_dict, STEPS),
+        "padded": train(experiment(workers=1, steps=STEPS), odd_vocabulary(info_dict), STEPS),
         "from_t2": loop(resume_spec, info_dict, Path(tmp) / "to-t1", resume=True),
     }
 
@@ -145,18 +155,19 @@ def hybrid(info):
 
 # -- parity --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", ["plain", "clip", "dropout"])
+@pytest.mark.parametrize("case", ["plain", "clip", "dropout", "padded"])
 def test_tensor_parallel_matches_single_process(runs, case):
     """Same global losses and final weights as one process from the same initial weights. `clip` adds
     accumulation, clipping (a norm over split and replicated parameters), decay and a schedule;
-    `dropout` drops embeddings and residuals, which must draw the same masks as one process."""
+    `dropout` drops embeddings and residuals, which must draw the same masks as one process; `padded`
+    has a vocabulary of 8193, padded to 8194 for T=2 (and cut back in the gathered state)."""
     t2, ref = runs["t2"], runs["ref"][case]
     assert t2[0][case]["losses"] == t2[1][case]["losses"]
     assert t2[0][case]["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-5)
     assert ref["losses"][-1] < ref["losses"][0]
     assert list(t2[0][case]["state"]) == list(ref["state"])  # transformers' names, in order
     for name, want in ref["state"].items():
-        torch.testing.assert_close(t2[0][case]["state"][name], want, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(t2[0][case]["state"][name], want, atol=WEIGHT_ATOL, rtol=1e-4, msg=name)
     assert t2[0][case]["val"] == pytest.approx(ref["val"], rel=1e-5)
 
 
@@ -165,7 +176,7 @@ def test_tensor_by_data_parallel_matches_single_process(runs, hybrid):
     for r in range(4):
         assert hybrid[r]["clip"]["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-5)
     for name, want in ref["state"].items():
-        torch.testing.assert_close(hybrid[0]["clip"]["state"][name], want, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(hybrid[0]["clip"]["state"][name], want, atol=WEIGHT_ATOL, rtol=1e-4, msg=name)
     assert hybrid[0]["clip"]["val"] == pytest.approx(ref["val"], rel=1e-5)
 
 

@@ -287,8 +287,9 @@ class MegatronEngine(Engine):
         params = [p for p in self.model.parameters() if p.grad is not None]
         split = [p.grad for p in params if self.names[p] in self.splits]
         replicated = [p.grad for p in params if self.names[p] not in self.splits]
-        split_sq = torch.nn.utils.get_total_norm(split).to(self.device) ** 2 if split else torch.zeros((), device=self.device)
-        total = (self.tp.all_reduce(split_sq.reshape(1)) + torch.nn.utils.get_total_norm(replicated) ** 2).sqrt()
+        norm = torch.nn.utils.get_total_norm
+        split_sq = (norm(split) ** 2 if split else torch.zeros(())).to(self.device).reshape(1)
+        total = (self.tp.all_reduce(split_sq) + norm(replicated) ** 2).sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.reshape(()))
         return total
 
