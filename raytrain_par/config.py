@@ -321,6 +321,9 @@ def validate(spec: ExperimentSpec) -> None:
         _check(sizes["n_embd"] % sizes["n_head"] == 0, "model.n_head", sizes["n_head"],
                f"n_embd {sizes['n_embd']} is not divisible by n_head {sizes['n_head']}",
                "choose n_head dividing n_embd (e.g. 4 for n_embd 128)")
+        _check(m.width == 1.0, "model.width", m.width, "only VGG models have a width multiplier",
+               "remove it; size GPT-2 with n_layer / n_embd / n_head")
+        _check(m.image_size is None, "model.image_size", m.image_size, "only VGG models take images", "remove it")
     else:
         for k in ("n_layer", "n_embd", "n_head"):
             _check(getattr(m, k) is None, f"model.{k}", getattr(m, k), f"only GPT-2 models have {k}", "remove it")
