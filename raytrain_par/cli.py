@@ -1,6 +1,8 @@
 """raytrain-par: compare ways of parallelising training on a Ray cluster.
 
     raytrain-par run EXPERIMENT.yaml [--address ADDR] [--set key=value ...] [--resume]
+    raytrain-par sweep EXPERIMENT.yaml [--address ADDR] [--set ...] [--resume]   Ray Tune over its sweep block
+    raytrain-par report RESULTS_DIR [--out DIR]         figures and a ranked summary of a run or sweep
     raytrain-par check EXPERIMENT.yaml [--set ...]      validate and print the resolved experiment
     raytrain-par data EXPERIMENT.yaml                   prepare (and cache) the experiment's data set
 """
@@ -29,6 +31,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
     run.add_argument("--resume", action="store_true", help="continue the experiment's last run from its latest checkpoint")
 
+    sweep = sub.add_parser("sweep", help="run every trial of the experiment's sweep block with Ray Tune")
+    experiment_args(sweep)
+    sweep.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
+    sweep.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
+
+    report = sub.add_parser("report", help="write figures and a ranked Markdown summary of a run or sweep")
+    report.add_argument("results", help="results directory of an experiment, e.g. results/quickstart")
+    report.add_argument("--out", help="where to write (default: the results directory)")
+
     check = sub.add_parser("check", help="validate an experiment and print it with every default filled in")
     experiment_args(check)
 
@@ -52,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args) -> int:
     from .config import load_experiment
 
+    if args.command == "report":
+        from .report import write_report
+
+        for f in write_report(args.results, args.out):
+            print(f"written {f}")
+        return 0
     spec = load_experiment(args.experiment, args.overrides)
     if args.command == "check":
         print(yaml.safe_dump(spec.to_dict(), sort_keys=False), end="")
@@ -63,6 +80,13 @@ def _dispatch(args) -> int:
         print(f"{info.name}: {info.num_train} training rows, {info.num_val} validation rows in "
               f"{info.train_path.rsplit('/', 1)[0]}")
         return 0
+    if args.command == "sweep":
+        from .sweep import plan
+        from .tuning import run_sweep
+
+        plan(spec)  # every trial is validated before Ray starts
+        result = run_sweep(spec, address=args.address, resume=args.resume)
+        return 1 if any(t["status"] == "failed" for t in result.trials) else 0
     from .driver import run_experiment
 
     result = run_experiment(spec, address=args.address, resume=args.resume)

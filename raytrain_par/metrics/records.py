@@ -50,10 +50,17 @@ class RecordWriter:
         # A resumed run repeats the evaluation of the checkpoint it resumed from: keep one per (trial, step).
         self.records = [r for r in self.records if (r.get("trial"), r.get("step")) != (record.get("trial"), record.get("step"))]
         self.records.append(record)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".parquet.tmp")
-        pq.write_table(pa.Table.from_pylist(self.records), tmp)
-        os.replace(tmp, self.path)
+        write_table(self.path, self.records)
+
+
+def write_table(path: str | Path, rows: list[dict]) -> Path:
+    """Rows -> a Parquet file, replaced atomically (readers never see half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)
+    return path
 
 
 def read_records(path: str | Path) -> list[dict]:
