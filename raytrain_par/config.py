@@ -90,12 +90,12 @@ class TrainSpec:
     gradient_accumulation_steps: int = 1
     epochs: Optional[int] = None  # with neither epochs nor max_steps: 1 epoch
     max_steps: Optional[int] = None  # with both: whichever ends first
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "sgd", "lamb"] = "adamw"
     lr: float = 3.0e-4
     weight_decay: float = 0.0
     momentum: float = 0.9  # sgd
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
-    eps: float = 1.0e-8  # adamw
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw, lamb
+    eps: float = 1.0e-8  # adamw, lamb
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = 0.1  # cosine / linear decay ends at lr * min_lr_ratio

@@ -31,3 +31,17 @@ def test_ddp_memory_counts_bucketed_gradients(info):
     assert mem["mem_optim_bytes"] == pytest.approx(2 * n_param_bytes, rel=0.01)
     assert mem["mem_model_state_bytes"] / n_param_bytes * 4 == pytest.approx(16, rel=0.05)
     assert mem["mem_peak_bytes"] > mem["mem_model_state_bytes"]
+
+
+def test_lamb_step_follows_the_trust_ratio():
+    """One LAMB step by hand: Adam's bias-corrected direction scaled by ||w|| / ||update||."""
+    from raytrain_par.strategies.lamb import Lamb
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    w0 = w.detach().clone()
+    w.grad = torch.randn(5, 3)
+    Lamb([w], lr=0.1, weight_decay=0.01, eps=1e-6).step()
+    update = w.grad / (w.grad.abs() + 1e-6) + 0.01 * w0  # first step: m_hat = g, sqrt(v_hat) = |g|
+    expected = w0 - 0.1 * (w0.norm() / update.norm()) * update
+    torch.testing.assert_close(w.detach(), expected)
