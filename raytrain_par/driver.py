@@ -81,11 +81,29 @@ def worker_env(spec: ExperimentSpec | None = None) -> dict[str, str]:
 
 
 def start_local_cluster(num_cpus: int, env: dict[str, str]) -> None:
-    """An embedded single-node Ray cluster, reachable from this host only."""
-    # The dashboard serves Ray's state API, which Ray Train uses to clean up after stopped runs;
-    # it listens on 127.0.0.1 only.
-    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-             runtime_env={"env_vars": env}, log_to_driver=True, logging_level="WARNING")
+    """An embedded single-node Ray cluster, reachable from this host only.
+
+    Ray binds its servers to the node's address, which on Linux is the machine's network address.
+    Ray's single-machine mode (the default on macOS and Windows, switched by an environment
+    variable and a constant Ray reads at start) uses the loopback address instead; it is switched
+    on only while the cluster starts, so that its processes inherit it and nothing else does.
+    The dashboard, which serves the state API Ray Train cleans up stopped runs with, listens on
+    127.0.0.1 as well.
+    """
+    from ray._private import ray_constants
+
+    var = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    saved_env, saved_flag = os.environ.get(var), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[var], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                 runtime_env={"env_vars": env}, log_to_driver=True, logging_level="WARNING")
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved_env
 
 
 @contextmanager
@@ -122,6 +140,7 @@ def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdi
         if not (results / run_subdir).exists():
             raise UserError(f"--resume: {results} holds no earlier run of {spec.name!r} to continue.\n"
                             "  fix: run without --resume to start it, or point output_dir at the earlier results")
+        check_resumable(spec, results / run_subdir)
         return results
     if results.exists() and any(results.iterdir()):
         stamp = datetime.fromtimestamp(results.stat().st_mtime).strftime("%Y%m%d-%H%M%S")
@@ -133,6 +152,34 @@ def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdi
         log(f"earlier results of {spec.name!r} moved to {archive}")
     results.mkdir(parents=True, exist_ok=True)
     return results
+
+
+# What a checkpoint must agree on with the experiment that resumes it.
+RESUME_KEYS = ("model", "data.name", "data.seq_len", "data.vocab_size", "data.seed", "data.val_fraction", "strategy",
+               "scaling.num_workers", "train.optimizer", "train.global_batch_size", "train.seed")
+
+
+def check_resumable(spec: ExperimentSpec, run_dir: Path) -> None:
+    """Refuse, before any worker starts, to resume from checkpoints of another model or layout."""
+    import json
+
+    found = sorted(run_dir.glob("checkpoint_*/loop.json"))
+    if not found:
+        return  # nothing checkpointed yet: the run restarts from the beginning
+    written = json.loads(found[-1].read_text())["experiment"]
+    now = spec.to_dict()
+
+    def get(d, path):
+        for p in path.split("."):
+            d = d.get(p) if isinstance(d, dict) else None
+        return d
+
+    diffs = [f"{k}: checkpoint {get(written, k)!r}, experiment {get(now, k)!r}" for k in RESUME_KEYS
+             if get(written, k) != get(now, k)]
+    if diffs:
+        raise UserError(f"--resume: the checkpoints in {run_dir} were written by another setup:\n    "
+                        + "\n    ".join(diffs) + "\n  fix: resume with the settings the run started with, or "
+                        "start a new run without --resume (the earlier results are kept aside)")
 
 
 def check_prepared(spec: ExperimentSpec, info: DatasetInfo) -> None:
