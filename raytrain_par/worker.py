@@ -93,6 +93,7 @@ class Trainer:
         self.loader = train_loader(self.engine)
         assert self.loader.steps_per_epoch == steps_per_epoch(spec, info)
         self.state = LoopState()
+        self.resumed_from: int | None = None
         self.records: list[dict] = []
 
     # -- the loop ------------------------------------------------------------------------------
@@ -100,9 +101,11 @@ class Trainer:
         with self.reporter.restored() as directory:
             if directory is not None:
                 self._load(directory)
+                self.resumed_from = self.state.step
                 self.log(f"resumed from {directory} at step {self.state.step}")
         spec, state = self.spec, self.state
         self.startup_s = time.perf_counter() - self.t_setup
+        self.started_at = time.time()
         t_begin = time.perf_counter() - state.elapsed_s
         if state.step == 0 and spec.train.eval_at_start and state.evals == 0:
             self._evaluate_and_report(train_loss=None, interval_s=0.0, interval_steps=0, t_begin=t_begin)
@@ -153,6 +156,7 @@ class Trainer:
             "throughput": interval_steps * spec.train.global_batch_size / interval_s if interval_s else None,
             "step_time_s": interval_s / interval_steps if interval_steps else None,
             "eval_time_s": state.eval_time_s, "target_met": met,
+            "timestamp": time.time(), "started_at": self.started_at, "resumed_from_step": self.resumed_from,
             **self.engine.memory(),
         }
         checkpoint = None

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 COLUMNS = [
     "experiment", "trial", "strategy", "num_workers", "global_batch_size", "epoch", "step", "samples_seen",
     "wall_time_s", "elapsed_s", "startup_s", "train_loss", "val_loss", "val_perplexity", "val_accuracy", "lr",
-    "throughput", "step_time_s", "eval_time_s", "checkpoint_time_s", "target_met",
+    "throughput", "step_time_s", "eval_time_s", "checkpoint_time_s", "target_met", "timestamp", "started_at",
+    "resumed_from_step",
     "mem_peak_bytes", "mem_model_state_bytes", "mem_param_bytes", "mem_grad_bytes", "mem_optim_bytes",
 ]
 MEMORY = [c for c in COLUMNS if c.startswith("mem_")]
