@@ -5,6 +5,7 @@
     raytrain-par report RESULTS_DIR [--out DIR]         figures and a ranked summary of a run or sweep
     raytrain-par check EXPERIMENT.yaml [--set ...]      validate and print the resolved experiment
     raytrain-par data EXPERIMENT.yaml                   prepare (and cache) the experiment's data set
+    raytrain-par cluster validate [FILES] [--experiment X.yaml ...]   check cluster YAMLs offline
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def _parser() -> argparse.ArgumentParser:
 
     prep = sub.add_parser("data", help="prepare the experiment's data set into the cache")
     experiment_args(prep)
+
+    cluster = sub.add_parser("cluster", help="work with the cluster files in clusters/")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    validate = cluster_sub.add_parser(
+        "validate", help="check cluster-launcher YAMLs and KubeRay manifests offline (Ray's schema, structure, "
+        "open ports, credentials) and whether they hold the given experiments")
+    validate.add_argument("files", nargs="*", help="cluster files (default: every YAML in clusters/)")
+    validate.add_argument("--experiment", dest="experiments", action="append", default=[], metavar="X.yaml",
+                          help="experiment (or sweep) the cluster must hold (repeatable)")
     return p
 
 
@@ -63,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args) -> int:
     from .config import load_experiment
 
+    if args.command == "cluster":
+        return _cluster_validate(args.files, args.experiments)
     if args.command == "report":
         from .report import write_report
 
@@ -91,6 +103,24 @@ def _dispatch(args) -> int:
 
     result = run_experiment(spec, address=args.address, resume=args.resume)
     return 1 if result.error is not None else 0
+
+
+def _cluster_validate(files: list[str], experiments: list[str]) -> int:
+    from .clusters import default_files, validate
+
+    results = validate(files or default_files(), experiments)
+    for c in results:
+        if c.ok:
+            types = "; ".join(t.describe() for t in c.node_types)
+            print(f"{c.path}: ok ({c.kind}: {types})" + (f"; holds {', '.join(experiments)}" if experiments else ""))
+        for note in c.notes:
+            print(f"{c.path}: note: {note}")
+        for problem in c.problems:
+            print(f"raytrain-par: error: {problem}", file=sys.stderr)
+    bad = [c for c in results if not c.ok]
+    if bad:
+        print(f"{len(bad)} of {len(results)} cluster file(s) have problems", file=sys.stderr)
+    return 2 if bad else 0
 
 
 if __name__ == "__main__":

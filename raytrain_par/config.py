@@ -302,6 +302,12 @@ def validate(spec: ExperimentSpec) -> None:
     """Cross-field checks: names exist, numbers are in range, the parallel layout is possible."""
     _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec.name)), "name", spec.name,
            "must be letters, digits, '.', '_' or '-' (it names the results directory)", "rename it, e.g. my-experiment")
+    # Ray Train's storage_path would take a URI, but metrics.parquet and the moving aside of earlier
+    # results use local file operations: a bucket is used through a mount.
+    _check("://" not in spec.output_dir, "output_dir", spec.output_dir,
+           "cloud URIs are not supported: results are written with local file operations",
+           "mount the bucket or file share on every node (EFS, Filestore, s3fs, gcsfuse) and give its path, "
+           "e.g. /mnt/shared/results")
     m, d, s, t = spec.model, spec.data, spec.scaling, spec.train
 
     _check(m.name in models.NAMES, "model.name", m.name, "unknown model", f"use one of: {', '.join(models.NAMES)}")

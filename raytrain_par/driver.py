@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -118,9 +119,14 @@ def ray_cluster(spec: ExperimentSpec, address: str | None = None, log=print):
         try:
             ray.init(address=address, runtime_env={"env_vars": worker_env(spec)}, log_to_driver=True)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise UserError(f"--address {address}: no Ray cluster answered ({e}).\n"
-                            "  fix: start one (`ray start --head`, `ray up clusters/...`), check the address, "
-                            "or leave --address out to run on an embedded local cluster") from None
+            raise _no_cluster(address, e) from None
+        if not address.startswith("ray://"):
+            # Ray Data keeps one detached stats actor per cluster, on the node of whoever first runs
+            # a dataset. Made by a training worker it would keep that (GPU) node busy for good and
+            # the autoscaler would never remove it: make it now, on the driver's node.
+            from ray.data._internal.stats import get_or_create_stats_actor
+
+            get_or_create_stats_actor()
     else:
         need = spec.scaling.num_workers * spec.scaling.cpus_per_worker
         # Logical CPUs: training workers plus one for Ray Data's read tasks, which hang when
@@ -132,6 +138,49 @@ def ray_cluster(spec: ExperimentSpec, address: str | None = None, log=print):
         yield
     finally:
         ray.shutdown()
+
+
+def preflight(spec: ExperimentSpec, address: str | None) -> None:
+    """What can be refused before data is prepared or earlier results are moved aside."""
+    check_output_dir(spec)
+    if not ray.is_initialized():
+        if address:
+            check_reachable(address)
+        elif os.environ.get("RAY_ADDRESS"):
+            check_reachable(os.environ["RAY_ADDRESS"], "RAY_ADDRESS")
+
+
+def _no_cluster(address: str, reason, name: str = "--address") -> UserError:
+    return UserError(f"{name} {address}: no Ray cluster answered ({reason}).\n"
+                     "  fix: start one (`ray start --head`, `ray up clusters/...`), check the address, "
+                     "or leave --address out to run on an embedded local cluster")
+
+
+def check_reachable(address: str, name: str = "--address", timeout_s: float = 5.0) -> None:
+    """Fail in seconds where nothing listens: ray.init retries such an address for minutes."""
+    if address.startswith(("http://", "https://")):
+        raise UserError(f"{name} {address}: that is the dashboard's job API, which `ray job submit` talks to.\n"
+                        "  fix: give the cluster's GCS address (HOST:6379) or Ray client address (ray://HOST:10001), "
+                        f"or submit the run as a job: ray job submit --address {address} --working-dir . -- "
+                        "raytrain-par run ...")
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if address == "auto" or not host or not port.isdigit():
+        return  # Ray finds (or refuses) these itself, quickly
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise _no_cluster(address, e, name) from None
+
+
+def check_output_dir(spec: ExperimentSpec) -> None:
+    """Inside a Ray job the working directory is the job's temporary copy of --working-dir, which Ray
+    deletes later: results need a path of their own there."""
+    # Ray's job supervisor sets this variable in the environment of every job's entrypoint.
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") and not Path(spec.output_dir).expanduser().is_absolute():
+        raise ConfigError("output_dir", spec.output_dir,
+                          "relative inside a Ray job: it would land in the job's temporary working directory",
+                          "give an absolute path, on storage every node mounts on a multi-node cluster: "
+                          "--set output_dir=/mnt/shared/results")
 
 
 def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdir: str = RUN_SUBDIR) -> Path:
@@ -251,6 +300,7 @@ def make_trainer(spec: ExperimentSpec, info: DatasetInfo, storage: Path, name: s
 
 def run_experiment(spec: ExperimentSpec, address: str | None = None, resume: bool = False, log=print) -> RunResult:
     """Run one experiment end to end; returns its records (also in <results>/metrics.parquet)."""
+    preflight(spec, address)
     info = data_sets.prepare(spec.data, spec.data.cache_dir, log=log)
     check_prepared(spec, info)
     results = prepare_results_dir(spec, resume, log=log)

@@ -23,7 +23,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 
 from . import data as data_sets
 from .config import ExperimentSpec
-from .driver import make_trainer, prepare_results_dir, ray_cluster
+from .driver import make_trainer, preflight, prepare_results_dir, ray_cluster
 from .errors import UserError
 from .metrics.efficiency import rank, summarize
 from .metrics.records import RecordWriter, merge, progress_line, read_records, write_table
@@ -120,6 +120,7 @@ class SweepResult:
 
 def run_sweep(spec: ExperimentSpec, address: str | None = None, resume: bool = False,
               log=print) -> SweepResult:
+    preflight(spec, address)
     p = plan(spec)
     for point in p.points:  # every distinct data set is prepared once, here, before any trial
         data_sets.prepare(p.trial_spec(point).data, spec.data.cache_dir, log=log)
