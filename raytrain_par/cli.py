@@ -1,8 +1,11 @@
 """raytrain-par: compare ways of parallelising training on a Ray cluster.
 
     raytrain-par run EXPERIMENT.yaml [--address ADDR] [--set key=value ...] [--resume]
+    raytrain-par sweep EXPERIMENT.yaml [--address ADDR] [--set ...] [--resume]   Ray Tune over its sweep block
+    raytrain-par report RESULTS_DIR [--out DIR]         figures and a ranked summary of a run or sweep
     raytrain-par check EXPERIMENT.yaml [--set ...]      validate and print the resolved experiment
     raytrain-par data EXPERIMENT.yaml                   prepare (and cache) the experiment's data set
+    raytrain-par cluster validate [FILES] [--experiment X.yaml ...]   check cluster YAMLs offline
 """
 
 from __future__ import annotations
@@ -29,11 +32,29 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
     run.add_argument("--resume", action="store_true", help="continue the experiment's last run from its latest checkpoint")
 
+    sweep = sub.add_parser("sweep", help="run every trial of the experiment's sweep block with Ray Tune")
+    experiment_args(sweep)
+    sweep.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
+    sweep.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
+
+    report = sub.add_parser("report", help="write figures and a ranked Markdown summary of a run or sweep")
+    report.add_argument("results", help="results directory of an experiment, e.g. results/quickstart")
+    report.add_argument("--out", help="where to write (default: the results directory)")
+
     check = sub.add_parser("check", help="validate an experiment and print it with every default filled in")
     experiment_args(check)
 
     prep = sub.add_parser("data", help="prepare the experiment's data set into the cache")
     experiment_args(prep)
+
+    cluster = sub.add_parser("cluster", help="work with the cluster files in clusters/")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
+    validate = cluster_sub.add_parser(
+        "validate", help="check cluster-launcher YAMLs and KubeRay manifests offline (Ray's schema, structure, "
+        "open ports, credentials) and whether they hold the given experiments")
+    validate.add_argument("files", nargs="*", help="cluster files (default: every YAML in clusters/)")
+    validate.add_argument("--experiment", dest="experiments", action="append", default=[], metavar="X.yaml",
+                          help="experiment (or sweep) the cluster must hold (repeatable)")
     return p
 
 
@@ -52,6 +73,14 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args) -> int:
     from .config import load_experiment
 
+    if args.command == "cluster":
+        return _cluster_validate(args.files, args.experiments)
+    if args.command == "report":
+        from .report import write_report
+
+        for f in write_report(args.results, args.out):
+            print(f"written {f}")
+        return 0
     spec = load_experiment(args.experiment, args.overrides)
     if args.command == "check":
         print(yaml.safe_dump(spec.to_dict(), sort_keys=False), end="")
@@ -63,10 +92,35 @@ def _dispatch(args) -> int:
         print(f"{info.name}: {info.num_train} training rows, {info.num_val} validation rows in "
               f"{info.train_path.rsplit('/', 1)[0]}")
         return 0
+    if args.command == "sweep":
+        from .sweep import plan
+        from .tuning import run_sweep
+
+        plan(spec)  # every trial is validated before Ray starts
+        result = run_sweep(spec, address=args.address, resume=args.resume)
+        return 1 if any(t["status"] == "failed" for t in result.trials) else 0
     from .driver import run_experiment
 
     result = run_experiment(spec, address=args.address, resume=args.resume)
     return 1 if result.error is not None else 0
+
+
+def _cluster_validate(files: list[str], experiments: list[str]) -> int:
+    from .clusters import default_files, validate
+
+    results = validate(files or default_files(), experiments)
+    for c in results:
+        if c.ok:
+            types = "; ".join(t.describe() for t in c.node_types)
+            print(f"{c.path}: ok ({c.kind}: {types})" + (f"; holds {', '.join(experiments)}" if experiments else ""))
+        for note in c.notes:
+            print(f"{c.path}: note: {note}")
+        for problem in c.problems:
+            print(f"raytrain-par: error: {problem}", file=sys.stderr)
+    bad = [c for c in results if not c.ok]
+    if bad:
+        print(f"{len(bad)} of {len(results)} cluster file(s) have problems", file=sys.stderr)
+    return 2 if bad else 0
 
 
 if __name__ == "__main__":

@@ -90,12 +90,12 @@ class TrainSpec:
     gradient_accumulation_steps: int = 1
     epochs: Optional[int] = None  # with neither epochs nor max_steps: 1 epoch
     max_steps: Optional[int] = None  # with both: whichever ends first
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "sgd", "lamb"] = "adamw"
     lr: float = 3.0e-4
     weight_decay: float = 0.0
     momentum: float = 0.9  # sgd
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw
-    eps: float = 1.0e-8  # adamw
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adamw, lamb
+    eps: float = 1.0e-8  # adamw, lamb
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = 0.1  # cosine / linear decay ends at lr * min_lr_ratio
@@ -302,6 +302,12 @@ def validate(spec: ExperimentSpec) -> None:
     """Cross-field checks: names exist, numbers are in range, the parallel layout is possible."""
     _check(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec.name)), "name", spec.name,
            "must be letters, digits, '.', '_' or '-' (it names the results directory)", "rename it, e.g. my-experiment")
+    # Ray Train's storage_path would take a URI, but metrics.parquet and the moving aside of earlier
+    # results use local file operations: a bucket is used through a mount.
+    _check("://" not in spec.output_dir, "output_dir", spec.output_dir,
+           "cloud URIs are not supported: results are written with local file operations",
+           "mount the bucket or file share on every node (EFS, Filestore, s3fs, gcsfuse) and give its path, "
+           "e.g. /mnt/shared/results")
     m, d, s, t = spec.model, spec.data, spec.scaling, spec.train
 
     _check(m.name in models.NAMES, "model.name", m.name, "unknown model", f"use one of: {', '.join(models.NAMES)}")
@@ -321,6 +327,9 @@ def validate(spec: ExperimentSpec) -> None:
         _check(sizes["n_embd"] % sizes["n_head"] == 0, "model.n_head", sizes["n_head"],
                f"n_embd {sizes['n_embd']} is not divisible by n_head {sizes['n_head']}",
                "choose n_head dividing n_embd (e.g. 4 for n_embd 128)")
+        _check(m.width == 1.0, "model.width", m.width, "only VGG models have a width multiplier",
+               "remove it; size GPT-2 with n_layer / n_embd / n_head")
+        _check(m.image_size is None, "model.image_size", m.image_size, "only VGG models take images", "remove it")
     else:
         for k in ("n_layer", "n_embd", "n_head"):
             _check(getattr(m, k) is None, f"model.{k}", getattr(m, k), f"only GPT-2 models have {k}", "remove it")

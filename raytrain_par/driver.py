@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -31,7 +32,8 @@ from . import data as data_sets
 from .config import ExperimentSpec
 from .data.shards import DatasetInfo
 from .errors import ConfigError, UserError
-from .metrics.records import RecordWriter, merge, progress_line, read_records, table
+from .metrics.efficiency import summarize
+from .metrics.records import RecordWriter, merge, progress_line, read_records, table, write_table
 from .worker import quiet_ray_logs, steps_per_epoch, train_loop_per_worker
 
 RUN_SUBDIR = "train"
@@ -80,11 +82,29 @@ def worker_env(spec: ExperimentSpec | None = None) -> dict[str, str]:
 
 
 def start_local_cluster(num_cpus: int, env: dict[str, str]) -> None:
-    """An embedded single-node Ray cluster, reachable from this host only."""
-    # The dashboard serves Ray's state API, which Ray Train uses to clean up after stopped runs;
-    # it listens on 127.0.0.1 only.
-    ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-             runtime_env={"env_vars": env}, log_to_driver=True, logging_level="WARNING")
+    """An embedded single-node Ray cluster, reachable from this host only.
+
+    Ray binds its servers to the node's address, which on Linux is the machine's network address.
+    Ray's single-machine mode (the default on macOS and Windows, switched by an environment
+    variable and a constant Ray reads at start) uses the loopback address instead; it is switched
+    on only while the cluster starts, so that its processes inherit it and nothing else does.
+    The dashboard, which serves the state API Ray Train cleans up stopped runs with, listens on
+    127.0.0.1 as well.
+    """
+    from ray._private import ray_constants
+
+    var = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    saved_env, saved_flag = os.environ.get(var), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[var], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                 runtime_env={"env_vars": env}, log_to_driver=True, logging_level="WARNING")
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved_env
 
 
 @contextmanager
@@ -99,9 +119,14 @@ def ray_cluster(spec: ExperimentSpec, address: str | None = None, log=print):
         try:
             ray.init(address=address, runtime_env={"env_vars": worker_env(spec)}, log_to_driver=True)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise UserError(f"--address {address}: no Ray cluster answered ({e}).\n"
-                            "  fix: start one (`ray start --head`, `ray up clusters/...`), check the address, "
-                            "or leave --address out to run on an embedded local cluster") from None
+            raise _no_cluster(address, e) from None
+        if not address.startswith("ray://"):
+            # Ray Data keeps one detached stats actor per cluster, on the node of whoever first runs
+            # a dataset. Made by a training worker it would keep that (GPU) node busy for good and
+            # the autoscaler would never remove it: make it now, on the driver's node.
+            from ray.data._internal.stats import get_or_create_stats_actor
+
+            get_or_create_stats_actor()
     else:
         need = spec.scaling.num_workers * spec.scaling.cpus_per_worker
         # Logical CPUs: training workers plus one for Ray Data's read tasks, which hang when
@@ -115,12 +140,56 @@ def ray_cluster(spec: ExperimentSpec, address: str | None = None, log=print):
         ray.shutdown()
 
 
-def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print) -> Path:
+def preflight(spec: ExperimentSpec, address: str | None) -> None:
+    """What can be refused before data is prepared or earlier results are moved aside."""
+    check_output_dir(spec)
+    if not ray.is_initialized():
+        if address:
+            check_reachable(address)
+        elif os.environ.get("RAY_ADDRESS"):
+            check_reachable(os.environ["RAY_ADDRESS"], "RAY_ADDRESS")
+
+
+def _no_cluster(address: str, reason, name: str = "--address") -> UserError:
+    return UserError(f"{name} {address}: no Ray cluster answered ({reason}).\n"
+                     "  fix: start one (`ray start --head`, `ray up clusters/...`), check the address, "
+                     "or leave --address out to run on an embedded local cluster")
+
+
+def check_reachable(address: str, name: str = "--address", timeout_s: float = 5.0) -> None:
+    """Fail in seconds where nothing listens: ray.init retries such an address for minutes."""
+    if address.startswith(("http://", "https://")):
+        raise UserError(f"{name} {address}: that is the dashboard's job API, which `ray job submit` talks to.\n"
+                        "  fix: give the cluster's GCS address (HOST:6379) or Ray client address (ray://HOST:10001), "
+                        f"or submit the run as a job: ray job submit --address {address} --working-dir . -- "
+                        "raytrain-par run ...")
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if address == "auto" or not host or not port.isdigit():
+        return  # Ray finds (or refuses) these itself, quickly
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise _no_cluster(address, e, name) from None
+
+
+def check_output_dir(spec: ExperimentSpec) -> None:
+    """Inside a Ray job the working directory is the job's temporary copy of --working-dir, which Ray
+    deletes later: results need a path of their own there."""
+    # Ray's job supervisor sets this variable in the environment of every job's entrypoint.
+    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") and not Path(spec.output_dir).expanduser().is_absolute():
+        raise ConfigError("output_dir", spec.output_dir,
+                          "relative inside a Ray job: it would land in the job's temporary working directory",
+                          "give an absolute path, on storage every node mounts on a multi-node cluster: "
+                          "--set output_dir=/mnt/shared/results")
+
+
+def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdir: str = RUN_SUBDIR) -> Path:
     results = spec.results_dir
     if resume:
-        if not (results / RUN_SUBDIR).exists():
+        if not (results / run_subdir).exists():
             raise UserError(f"--resume: {results} holds no earlier run of {spec.name!r} to continue.\n"
                             "  fix: run without --resume to start it, or point output_dir at the earlier results")
+        check_resumable(spec, results / run_subdir)
         return results
     if results.exists() and any(results.iterdir()):
         stamp = datetime.fromtimestamp(results.stat().st_mtime).strftime("%Y%m%d-%H%M%S")
@@ -134,6 +203,38 @@ def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print) -> Path:
     return results
 
 
+# What a checkpoint must agree on with the experiment that resumes it.
+RESUME_KEYS = ("model", "data.name", "data.seq_len", "data.vocab_size", "data.seed", "data.val_fraction", "strategy",
+               "scaling.num_workers", "train.optimizer", "train.global_batch_size", "train.seed")
+
+
+def check_resumable(spec: ExperimentSpec, run_dir: Path) -> None:
+    """Refuse, before any worker starts, to resume from checkpoints of another model or layout."""
+    import json
+
+    found = sorted(run_dir.glob("checkpoint_*/loop.json"))
+    if not found:
+        return  # nothing checkpointed yet: the run restarts from the beginning
+    written = json.loads(found[-1].read_text())["experiment"]
+    now = spec.to_dict()
+
+    def get(d, path):
+        for p in path.split("."):
+            d = d.get(p) if isinstance(d, dict) else None
+        return d
+
+    keys = RESUME_KEYS
+    if get(written, "strategy.name") == spec.strategy.name and getattr(spec.strategy.options, "checkpoints_reshard",
+                                                                       False):
+        keys = tuple(k for k in keys if k not in ("strategy", "scaling.num_workers"))  # the engine re-cuts them
+    diffs = [f"{k}: checkpoint {get(written, k)!r}, experiment {get(now, k)!r}" for k in keys
+             if get(written, k) != get(now, k)]
+    if diffs:
+        raise UserError(f"--resume: the checkpoints in {run_dir} were written by another setup:\n    "
+                        + "\n    ".join(diffs) + "\n  fix: resume with the settings the run started with, or "
+                        "start a new run without --resume (the earlier results are kept aside)")
+
+
 def check_prepared(spec: ExperimentSpec, info: DatasetInfo) -> None:
     """Checks that need the prepared data: an epoch holds at least one global batch."""
     if steps_per_epoch(spec, info) < 1:
@@ -144,28 +245,35 @@ def check_prepared(spec: ExperimentSpec, info: DatasetInfo) -> None:
 
 
 def ray_datasets(spec: ExperimentSpec, info: DatasetInfo) -> tuple[dict, DataConfig]:
-    """Ray Data datasets over the Parquet shards. With the memory loader every worker reads both
-    splits whole (and takes its slice of each global batch); the stream loader splits `train`."""
+    """Ray Data datasets over the Parquet shards.
+
+    Splits every worker reads whole (both with the memory loader, `val` with the stream loader)
+    are read here with pyarrow and handed to Ray Data as Arrow tables: for data that fits in
+    memory that takes a fraction of a second, where `read_parquet` starts read tasks that take
+    seconds to tens of seconds on a small cluster. The stream loader's `train` split is read by
+    Ray Data's own tasks and split across the workers."""
+    import pyarrow.parquet as pq
     import ray.data
 
     from .data.shards import decode_image_files
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     quiet_ray_logs()
-
-    datasets = {"train": ray.data.read_parquet(info.train_path), "val": ray.data.read_parquet(info.val_path)}
-    if info.encoded_images:
-        for k in datasets:
-            datasets[k] = datasets[k].map_batches(decode_image_files, fn_args=(info,), batch_format="numpy",
-                                                  batch_size=64)
-    if spec.data.max_val_samples:
-        datasets["val"] = datasets["val"].limit(spec.data.max_val_samples)
     split = ["train"] if spec.data.effective_loader == "stream" else []
-    # Splits every worker reads whole are read once, here, into the object store: workers then
-    # fetch blocks instead of each running its own read tasks.
-    for name in datasets:
-        if name not in split:
-            datasets[name] = datasets[name].materialize()
+    datasets = {}
+    for name, path in (("train", info.train_path), ("val", info.val_path)):
+        if name in split or info.encoded_images:
+            ds = ray.data.read_parquet(path)
+            if name == "val" and spec.data.max_val_samples:
+                ds = ds.limit(spec.data.max_val_samples)
+        else:
+            table = pq.read_table(path)
+            if name == "val" and spec.data.max_val_samples:
+                table = table.slice(0, spec.data.max_val_samples)
+            ds = ray.data.from_arrow(table)
+        if info.encoded_images:
+            ds = ds.map_batches(decode_image_files, fn_args=(info,), batch_format="numpy", batch_size=64)
+        datasets[name] = ds
     return datasets, DataConfig(datasets_to_split=split)
 
 
@@ -196,6 +304,7 @@ def make_trainer(spec: ExperimentSpec, info: DatasetInfo, storage: Path, name: s
 
 def run_experiment(spec: ExperimentSpec, address: str | None = None, resume: bool = False, log=print) -> RunResult:
     """Run one experiment end to end; returns its records (also in <results>/metrics.parquet)."""
+    preflight(spec, address)
     info = data_sets.prepare(spec.data, spec.data.cache_dir, log=log)
     check_prepared(spec, info)
     results = prepare_results_dir(spec, resume, log=log)
@@ -212,6 +321,12 @@ def run_experiment(spec: ExperimentSpec, address: str | None = None, resume: boo
         except (ray.train.TrainingFailedError, ray.train.ControllerError) as e:
             error = e
     records = read_records(metrics_path) if metrics_path.exists() else []
+    if records:
+        t = spec.target
+        row = summarize(records, t.metric if t else "val_loss", t.value if t else None, t.mode if t else "min")
+        row.update({"lr": spec.train.lr, "status": "failed" if error else "completed",
+                    "error": str(error) if error else None})
+        write_table(results / "trials.parquet", [row])
     log("")
     log(table(records))
     if spec.target is not None:

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import models, strategies
+from . import checkpoints, models, strategies
 from .config import ExperimentSpec
 from .data.loader import MemoryLoader, StreamLoader, eval_batches
 from .data.shards import DatasetInfo
@@ -52,12 +52,31 @@ class LoopState:
 class Reporter:
     """Where records and checkpoints go."""
 
+    log: Callable[[str], None] = print
+
     def report(self, metrics: dict, checkpoint_dir: Path | None) -> None:
         raise NotImplementedError
 
+    def candidates(self) -> list:
+        """Checkpoints to resume from, newest first (whatever `open` takes)."""
+        return []
+
+    @contextmanager
+    def open(self, candidate) -> Iterator[Path]:
+        yield Path(candidate)
+
     @contextmanager
     def restored(self) -> Iterator[Path | None]:
-        """The checkpoint directory to resume from, if any."""
+        """The newest intact checkpoint directory, if any; damaged ones are reported and skipped."""
+        for candidate in self.candidates():
+            with self.open(candidate) as directory:
+                bad = checkpoints.problem(directory)
+                if bad is None:
+                    yield directory
+                    return
+                self.log(f"WARNING: checkpoint {candidate} is damaged: {bad}; trying the one before it")
+        if self.candidates():
+            self.log("WARNING: no intact checkpoint left: training starts from the beginning")
         yield None
 
 
@@ -74,6 +93,7 @@ class Trainer:
         self.loader = train_loader(self.engine)
         assert self.loader.steps_per_epoch == steps_per_epoch(spec, info)
         self.state = LoopState()
+        self.resumed_from: int | None = None
         self.records: list[dict] = []
 
     # -- the loop ------------------------------------------------------------------------------
@@ -81,9 +101,11 @@ class Trainer:
         with self.reporter.restored() as directory:
             if directory is not None:
                 self._load(directory)
+                self.resumed_from = self.state.step
                 self.log(f"resumed from {directory} at step {self.state.step}")
         spec, state = self.spec, self.state
         self.startup_s = time.perf_counter() - self.t_setup
+        self.started_at = time.time()
         t_begin = time.perf_counter() - state.elapsed_s
         if state.step == 0 and spec.train.eval_at_start and state.evals == 0:
             self._evaluate_and_report(train_loss=None, interval_s=0.0, interval_steps=0, t_begin=t_begin)
@@ -134,6 +156,7 @@ class Trainer:
             "throughput": interval_steps * spec.train.global_batch_size / interval_s if interval_s else None,
             "step_time_s": interval_s / interval_steps if interval_steps else None,
             "eval_time_s": state.eval_time_s, "target_met": met,
+            "timestamp": time.time(), "started_at": self.started_at, "resumed_from_step": self.resumed_from,
             **self.engine.memory(),
         }
         checkpoint = None
@@ -164,6 +187,7 @@ class Trainer:
         if self.ctx.rank == 0:
             meta = {"state": asdict(self.state), "experiment": self.spec.to_dict(), "format": 1}
             (directory / "loop.json").write_text(json.dumps(meta, indent=1))
+        checkpoints.write_manifest(directory, self.ctx.rank, self.ctx.world_size, self.state.step)
 
     def _load(self, directory: Path) -> None:
         meta = json.loads((directory / "loop.json").read_text())
@@ -185,7 +209,7 @@ class LocalReporter(Reporter):
         self.root, self.rank, self.world, self.log = Path(root), rank, world_size, log
         self.resume = resume
         self.writer = RecordWriter(self.root / "metrics.parquet") if rank == 0 else None
-        self.count = len(list(self.root.glob("checkpoint_*"))) if self.root.exists() else 0
+        self.count = len(list(self.root.glob("checkpoint_*/"))) if self.root.exists() else 0
 
     def report(self, metrics, checkpoint_dir):
         if self.writer is not None:
@@ -200,10 +224,8 @@ class LocalReporter(Reporter):
         if self.world > 1:
             torch.distributed.barrier()
 
-    @contextmanager
-    def restored(self):
-        found = sorted(self.root.glob("checkpoint_*")) if self.resume else []
-        yield found[-1] if found else None
+    def candidates(self):
+        return sorted(self.root.glob("checkpoint_*/"), reverse=True) if self.resume else []
 
 
 def steps_per_epoch(spec: ExperimentSpec, info: DatasetInfo) -> int:
@@ -223,21 +245,27 @@ def memory_train_loader(spec: ExperimentSpec, arrays: dict[str, torch.Tensor]):
 # -- Ray Train entry point ---------------------------------------------------------------------
 
 class RayReporter(Reporter):
+    def __init__(self, log=print):
+        self.log = log
+
     def report(self, metrics, checkpoint_dir):
         import ray.train
 
         checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
         ray.train.report(metrics, checkpoint=checkpoint)
 
-    @contextmanager
-    def restored(self):
+    def candidates(self):
         import ray.train
 
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            yield None
-            return
-        with checkpoint.as_directory() as d:
+        if ray.train.get_checkpoint() is None:
+            return []
+        reported = ray.train.get_all_reported_checkpoints(
+            consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
+        return [r.checkpoint for r in reversed(reported)] or [ray.train.get_checkpoint()]
+
+    @contextmanager
+    def open(self, candidate):
+        with candidate.as_directory() as d:
             yield Path(d)
 
 
@@ -295,6 +323,6 @@ def train_loop_per_worker(config: dict) -> None:
             return StreamLoader(batches, spec.per_worker_batch, rows_per_worker)
 
     log = print if ctx.rank == 0 else (lambda *_: None)
-    trainer = Trainer(spec, info, ctx, RayReporter(), train_loader, val, trial=config.get("trial", "run"),
+    trainer = Trainer(spec, info, ctx, RayReporter(log), train_loader, val, trial=config.get("trial", "run"),
                       startup_s=time.perf_counter() - t0, log=log)
     trainer.run()

@@ -36,3 +36,9 @@ def train_steps(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: 
         losses.append(float(engine.dp_sum(local.clone())) / engine.dp_size)
     state = {k: v.detach().cpu().clone() for k, v in engine.full_state_dict().items()}
     return {"losses": losses, "state": state if rank == 0 else None, "memory": engine.memory()}
+
+
+def train_cases(rank: int, world: int, cases: list[tuple[dict, dict, int]]) -> list[dict]:
+    """train_steps for several (spec, info, steps) cases in one process group: spawning costs
+    seconds, a case of a tiny model a fraction of that."""
+    return [train_steps(rank, world, *case) for case in cases]

@@ -2,24 +2,29 @@ import pytest
 import torch
 
 from dist import run_ranks
-from engines import experiment, train_steps
+from engines import experiment, train_cases, train_steps
 
 
-@pytest.mark.parametrize("model,data,extra", [
+CASES = [
     ("gpt2-tiny", "kjv", {}),
     ({"name": "vgg11", "width": 0.125, "dropout": 0.0}, "digits", {"optimizer": "sgd", "lr": 0.05}),
     ("gpt2-tiny", "kjv", {"gradient_accumulation_steps": 2, "grad_clip": 0.5, "warmup_steps": 2,
                           "lr_schedule": "cosine", "weight_decay": 0.1}),
-])
-def test_ddp_two_ranks_match_one_process(model, data, extra, info):
+    ({"name": "vgg11", "width": 0.125}, "digits", {"optimizer": "lamb", "weight_decay": 0.01}),
+]
+
+
+def test_ddp_two_ranks_match_one_process(info):
     steps = 4
-    single = run_ranks(1, train_steps, experiment(model, data, workers=1, **extra), info(data), steps)[0]
-    pair = run_ranks(2, train_steps, experiment(model, data, workers=2, **extra), info(data), steps)
-    assert pair[0]["losses"] == pytest.approx(pair[1]["losses"], abs=0)  # every rank sees the global loss
-    assert pair[0]["losses"] == pytest.approx(single["losses"], abs=1e-5, rel=1e-5)
-    assert single["losses"][-1] < single["losses"][0]  # and it is training
-    for name, ref in single["state"].items():
-        torch.testing.assert_close(pair[0]["state"][name], ref, atol=1e-5, rtol=1e-4, msg=name)
+    single = run_ranks(1, train_cases, [(experiment(m, d, workers=1, **x), info(d), steps) for m, d, x in CASES])[0]
+    pair = run_ranks(2, train_cases, [(experiment(m, d, workers=2, **x), info(d), steps) for m, d, x in CASES])
+    for i, case in enumerate(CASES):
+        one, two = single[i], [pair[0][i], pair[1][i]]
+        assert two[0]["losses"] == two[1]["losses"], case  # every rank sees the global loss
+        assert two[0]["losses"] == pytest.approx(one["losses"], abs=1e-5, rel=1e-5), case
+        assert one["losses"][-1] < one["losses"][0], case  # and it is training
+        for name, ref in one["state"].items():
+            torch.testing.assert_close(two[0]["state"][name], ref, atol=1e-5, rtol=1e-4, msg=f"{case}: {name}")
 
 
 def test_ddp_memory_counts_bucketed_gradients(info):
@@ -31,3 +36,17 @@ def test_ddp_memory_counts_bucketed_gradients(info):
     assert mem["mem_optim_bytes"] == pytest.approx(2 * n_param_bytes, rel=0.01)
     assert mem["mem_model_state_bytes"] / n_param_bytes * 4 == pytest.approx(16, rel=0.05)
     assert mem["mem_peak_bytes"] > mem["mem_model_state_bytes"]
+
+
+def test_lamb_step_follows_the_trust_ratio():
+    """One LAMB step by hand: Adam's bias-corrected direction scaled by ||w|| / ||update||."""
+    from raytrain_par.strategies.lamb import Lamb
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    w0 = w.detach().clone()
+    w.grad = torch.randn(5, 3)
+    Lamb([w], lr=0.1, weight_decay=0.01, eps=1e-6).step()
+    update = w.grad / (w.grad.abs() + 1e-6) + 0.01 * w0  # first step: m_hat = g, sqrt(v_hat) = |g|
+    expected = w0 - 0.1 * (w0.norm() / update.norm()) * update
+    torch.testing.assert_close(w.detach(), expected)

@@ -285,6 +285,7 @@ def test_allreduce_bytes_follow_the_megatron_formula(runs, hybrid):
     ({"model": {"name": "vgg11"}, "data": {"name": "digits"}}, "model.name", "transformer"),
     ({"strategy": megatron(0)}, "strategy.tensor_parallel", "must be >= 1"),
     ({"strategy": {"name": "megatron"}}, "strategy.tensor_parallel", "required"),
+    ({"train": {"global_batch_size": 16, "max_steps": 4, "optimizer": "lamb"}}, "train.optimizer", "slices"),
 ])
 def test_bad_layouts_are_rejected_before_start(changes, field, words):
     raw = {**experiment(strategy=megatron(2), workers=2), **changes}
@@ -321,3 +322,19 @@ def test_megatron_through_ray_matches_single_process(ray_cluster, runs, tmp_path
     checkpoints = sorted(p for p in (tmp_path / "parity" / "train").glob("checkpoint_*") if p.is_dir())
     assert checkpoints and {p.name for p in checkpoints[-1].iterdir()} >= {
         "megatron-tp0-of-2.pt", "megatron-tp1-of-2.pt", "loop.json"}
+
+
+def test_resume_may_change_the_tensor_parallel_layout_but_not_the_model(tmp_path):
+    import json
+
+    from raytrain_par.driver import check_resumable
+    from raytrain_par.errors import UserError
+
+    written = experiment(strategy=megatron(2), workers=4)
+    ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
+    ckpt.mkdir(parents=True)
+    (ckpt / "loop.json").write_text(json.dumps({"experiment": written}))
+    check_resumable(config.parse(experiment(strategy=megatron(1), workers=1)), tmp_path / "train")
+    for other in (experiment("gpt2-mini", strategy=megatron(2), workers=4), experiment(workers=4)):
+        with pytest.raises(UserError, match="another setup"):
+            check_resumable(config.parse(other), tmp_path / "train")

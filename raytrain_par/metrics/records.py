@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 COLUMNS = [
     "experiment", "trial", "strategy", "num_workers", "global_batch_size", "epoch", "step", "samples_seen",
     "wall_time_s", "elapsed_s", "startup_s", "train_loss", "val_loss", "val_perplexity", "val_accuracy", "lr",
-    "throughput", "step_time_s", "eval_time_s", "checkpoint_time_s", "target_met",
+    "throughput", "step_time_s", "eval_time_s", "checkpoint_time_s", "target_met", "timestamp", "started_at",
+    "resumed_from_step",
     "mem_peak_bytes", "mem_model_state_bytes", "mem_param_bytes", "mem_grad_bytes", "mem_optim_bytes",
 ]
 MEMORY = [c for c in COLUMNS if c.startswith("mem_")]
@@ -50,10 +51,17 @@ class RecordWriter:
         # A resumed run repeats the evaluation of the checkpoint it resumed from: keep one per (trial, step).
         self.records = [r for r in self.records if (r.get("trial"), r.get("step")) != (record.get("trial"), record.get("step"))]
         self.records.append(record)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".parquet.tmp")
-        pq.write_table(pa.Table.from_pylist(self.records), tmp)
-        os.replace(tmp, self.path)
+        write_table(self.path, self.records)
+
+
+def write_table(path: str | Path, rows: list[dict]) -> Path:
+    """Rows -> a Parquet file, replaced atomically (readers never see half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    os.replace(tmp, path)
+    return path
 
 
 def read_records(path: str | Path) -> list[dict]:

@@ -65,6 +65,10 @@ def build_optimizer(model: nn.Module, train) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps)
     if train.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum)
+    if train.optimizer == "lamb":
+        from .lamb import Lamb
+
+        return Lamb(groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps)
     raise ValueError(f"unknown optimizer {train.optimizer!r}")
 
 

@@ -59,6 +59,9 @@ class Options:
     tensor_parallel: int  # T: ranks each layer is split over; num_workers = T x data-parallel replicas
     bucket_cap_mb: float = 25.0  # DDP buckets of the data-parallel gradient all-reduce
 
+    #: a checkpoint loads with another tensor_parallel and worker count (shards are joined and re-cut)
+    checkpoints_reshard = True
+
     def validate(self, spec, error) -> None:
         from .. import models  # config imports strategies: import the model registry lazily
 
@@ -83,6 +86,9 @@ class Options:
         if spec.data.vocab_size % t:
             error("data.vocab_size", spec.data.vocab_size, f"the vocabulary does not split over tensor_parallel {t}",
                   f"use a multiple of {t}, e.g. {_next_multiple(spec.data.vocab_size, t)}")
+        if spec.train.optimizer == "lamb" and t > 1:
+            error("train.optimizer", "lamb", "LAMB scales each tensor's step by the norm of the whole tensor, and "
+                  "tensor parallel holds slices of them", "use adamw or sgd with megatron, or tensor_parallel: 1")
         n = spec.scaling.num_workers
         if n % t:
             error("scaling.num_workers", n, f"not a multiple of tensor_parallel {t} (workers = tensor x data parallel)",

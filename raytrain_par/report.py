@@ -1,0 +1,159 @@
+"""`raytrain-par report RESULTS_DIR`: the study's figures and a ranked summary from a run's or a
+sweep's records.
+
+Writes into RESULTS_DIR (or --out):
+    convergence_wall_time.png   validation metric against wall time, one line per trial
+    convergence_epochs.png      the same against epochs
+    epoch_time.png              time per epoch against worker count, one line per strategy (and batch)
+    memory.png                  peak and model-state memory per worker against worker count
+    summary.md                  the ranking (time to target first) and the figures
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .errors import UserError  # noqa: E402
+from .metrics.efficiency import rank, summarize  # noqa: E402
+from .metrics.records import read_records  # noqa: E402
+
+LABELS = {"val_loss": "validation loss", "val_perplexity": "validation perplexity",
+          "val_accuracy": "validation accuracy"}
+
+
+def load(results_dir: Path) -> tuple[list[dict], list[dict]]:
+    metrics = results_dir / "metrics.parquet"
+    if not metrics.exists():
+        raise UserError(f"{results_dir}: no metrics.parquet here.\n  fix: give the directory of a run or sweep, "
+                        "e.g. results/quickstart (written by `raytrain-par run` or `sweep`)")
+    records = read_records(metrics)
+    if not records:
+        raise UserError(f"{metrics} holds no records yet; fix: let the run reach its first evaluation")
+    trials_file = results_dir / "trials.parquet"
+    trials = read_records(trials_file) if trials_file.exists() else []
+    return records, trials
+
+
+def _metric(records: list[dict], trials: list[dict]) -> tuple[str, float | None, str]:
+    for t in trials:
+        if t.get("metric"):
+            m = t["metric"]
+            return m, t.get("target"), "max" if m == "val_accuracy" else "min"
+    m = "val_perplexity" if records[0].get("val_perplexity") is not None else "val_accuracy"
+    return m, None, "max" if m == "val_accuracy" else "min"
+
+
+def _by_trial(records: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        out[r["trial"]].append(r)
+    return {k: sorted(v, key=lambda r: r["step"]) for k, v in out.items()}
+
+
+def _convergence(groups, metric, target, x, xlabel, title, path):
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, rs in groups.items():
+        pts = [(r[x], r[metric]) for r in rs if r.get(metric) is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", markersize=3, label=name)
+    if target is not None:
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:g}")
+    if metric == "val_perplexity":
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(LABELS.get(metric, metric))
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _scaling(rows, series, ylabel, title, path):
+    """Values against num_workers, one line per (strategy, batch) and per entry of `series`
+    ((value of a trial row, legend suffix, line style)); log2 worker axis."""
+    batches = {r["global_batch_size"] for r in rows}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4)
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[r["strategy"] + (f", batch {r['global_batch_size']}" if len(batches) > 1 else "")].append(r)
+    for label, group in sorted(groups.items()):
+        color = next(colors)
+        for value, suffix, style in series:
+            points: dict[int, list[float]] = defaultdict(list)
+            for r in group:
+                if value(r) is not None:
+                    points[r["num_workers"]].append(value(r))
+            xs = sorted(points)
+            if xs:
+                ax.plot(xs, [sum(points[x]) / len(points[x]) for x in xs], linestyle=style, marker="o",
+                        color=color, label=label + suffix)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers (GPUs)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _mib(n):
+    return n / 2**20 if n else None
+
+
+def _markdown_table(rows: list[dict], metric: str) -> str:
+    def f(v, fmt):
+        return "–" if v is None else format(v, fmt)
+    lines = [f"| # | trial | strategy | workers | batch | lr | time to target (s) | epochs to target | best "
+             f"{metric} | s/step | samples/s | peak MiB/worker | model-state MiB/worker | status |",
+             "|" + "---|" * 14]
+    for i, r in enumerate(rows):
+        lines.append("| " + " | ".join([
+            str(i + 1), r["trial"], r["strategy"], str(r["num_workers"]), str(r["global_batch_size"]),
+            f(r.get("lr"), ".3g"), f(r.get("time_to_target_s"), ".1f"), f(r.get("epochs_to_target"), ".2f"),
+            f(r.get("best_metric"), ".4g"), f(r.get("mean_step_time_s"), ".3f"), f(r.get("throughput"), ".1f"),
+            f(_mib(r.get("mem_peak_bytes")), ".0f"), f(_mib(r.get("mem_model_state_bytes")), ".1f"),
+            r.get("status") or "completed"]) + " |")
+    return "\n".join(lines)
+
+
+def write_report(results_dir: str | Path, out: str | Path | None = None) -> list[Path]:
+    results_dir = Path(results_dir)
+    out = Path(out) if out else results_dir
+    out.mkdir(parents=True, exist_ok=True)
+    records, trials = load(results_dir)
+    metric, target, mode = _metric(records, trials)
+    groups = _by_trial(records)
+    if not trials:  # a single run without a summary: make one
+        trials = [summarize(rs, metric, target, mode) for rs in groups.values()]
+    rows = rank(trials, mode)
+    name = records[0]["experiment"]
+    files = [out / "convergence_wall_time.png", out / "convergence_epochs.png", out / "epoch_time.png",
+             out / "memory.png"]
+    _convergence(groups, metric, target, "wall_time_s", "wall time of training (s)",
+                 f"{name}: {LABELS.get(metric, metric)} against wall time", files[0])
+    _convergence(groups, metric, target, "epoch", "epochs", f"{name}: {LABELS.get(metric, metric)} against epochs",
+                 files[1])
+    _scaling(rows, [(lambda r: r.get("epoch_time_s"), "", "-")], "time per epoch (s)", f"{name}: time per epoch",
+             files[2])
+    _scaling(rows, [(lambda r: _mib(r.get("mem_peak_bytes")), " peak", "-"),
+                    (lambda r: _mib(r.get("mem_model_state_bytes")), " model states", "--")],
+             "memory per worker (MiB)", f"{name}: memory per worker", files[3])
+    summary = out / "summary.md"
+    target_text = f", target {metric} {'>=' if mode == 'max' else '<='} {target:g}" if target is not None else ""
+    summary.write_text(
+        f"# {name}\n\n{len(rows)} trial(s), ranked by time to target{target_text}, then by best {metric}.\n\n"
+        f"{_markdown_table(rows, metric)}\n\n"
+        "Wall time counts training steps only (not evaluation, checkpoints, reporting or start-up).\n\n"
+        + "".join(f"![{f.stem}]({f.name})\n\n" for f in files))
+    return [*files, summary]

@@ -1,0 +1,188 @@
+"""Sweep plans: the `sweep:` block of an experiment -> the trials to run, every one validated
+before anything starts.
+
+    sweep:
+      grid:                                  # every combination of these values
+        scaling.num_workers: [1, 2, 4]
+        train.global_batch_size: [32, 64]
+        strategy: [{name: ddp}, {name: zero-2}]
+      cases:                                 # explicit combinations, crossed with the grid
+        - {scaling.num_workers: 1, train.global_batch_size: 32}
+        - {scaling.num_workers: 2, train.global_batch_size: 64}
+      random:                                # sampled per trial: a list is a choice,
+        train.lr: {min: 1.0e-4, max: 1.0e-2, log: true}   # a range is uniform (log: log-uniform)
+      search: grid                           # grid | random | optuna
+      num_samples: 1                         # draws of the random keys (per grid point)
+      lr_scaling: sqrt                       # none | linear | sqrt: lr follows the global batch
+      max_concurrent_trials: 2               # default: as many as the cluster's free CPUs/GPUs hold
+      early_stopping: {grace_period_s: 30, reduction_factor: 2}   # ASHA on the metric vs wall time
+      metric: val_perplexity                 # default: the target's metric, else val_loss
+
+The learning-rate rule takes the file's `train.lr` as tuned for the file's `train.global_batch_size`
+and scales it by (batch / that batch) — linearly or by the square root — for every trial whose
+global batch differs, keeping the file's warm-up. Data parallelism grows the effective batch with
+the worker count; without a rule, larger worker counts train with a learning rate tuned for a
+smaller batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from .config import ExperimentSpec, _from_mapping, apply_overrides, parse
+from .errors import ConfigError
+from .models import task_metrics
+
+SHORT = {"scaling.num_workers": "w", "train.global_batch_size": "b", "train.lr": "lr",
+         "strategy.name": "", "scaling.use_gpu": "gpu"}
+
+
+@dataclass
+class EarlyStopping:
+    """ASHA: at each rung (grace period x reduction_factor^k seconds of training), keep the best
+    1/reduction_factor of the trials that got there and stop the rest."""
+
+    grace_period_s: float = 30.0
+    reduction_factor: float = 2.0
+    max_t_s: Optional[float] = None
+
+
+@dataclass
+class SweepSpec:
+    grid: dict = field(default_factory=dict)
+    cases: list[dict] = field(default_factory=list)
+    random: dict = field(default_factory=dict)
+    search: Literal["grid", "random", "optuna"] = "grid"
+    num_samples: int = 1
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    max_concurrent_trials: Optional[int] = None
+    early_stopping: Optional[EarlyStopping] = None
+    metric: Optional[str] = None
+
+
+@dataclass
+class Plan:
+    base: dict  # the experiment without its sweep block
+    sweep: SweepSpec
+    points: list[dict]  # grid x cases: overrides of each grid point
+    metric: str
+    mode: str
+    target: Optional[float]
+    trial_cpus: float = 1.0  # the most CPUs / GPUs one trial's workers reserve
+    trial_gpus: float = 0.0
+
+    def trial_spec(self, overrides: dict) -> ExperimentSpec:
+        return trial_spec(self.base, self.sweep, overrides)
+
+
+def trial_spec(base: dict, sweep: SweepSpec, overrides: dict) -> ExperimentSpec:
+    """The experiment of one trial: base + overrides (+ the learning-rate rule)."""
+    raw = apply_overrides(base, [])
+    for path, value in overrides.items():
+        _set(raw, path, value)
+    if sweep.lr_scaling != "none":
+        ratio = raw["train"]["global_batch_size"] / base["train"]["global_batch_size"]
+        raw["train"]["lr"] = raw["train"]["lr"] * (ratio if sweep.lr_scaling == "linear" else math.sqrt(ratio))
+    return parse(raw)
+
+
+def _set(raw: dict, path: str, value: Any) -> None:
+    parts = path.split(".")
+    node = raw
+    for p in parts[:-1]:
+        child = node.get(p)
+        if isinstance(child, str) and p in ("model", "data", "strategy"):
+            child = {"name": child}
+        if child is None:
+            child = {}
+        if not isinstance(child, dict):
+            raise ConfigError(path, value, f"{p} is not a mapping", "sweep over the parent key as a whole")
+        node[p] = child
+        node = child
+    node[parts[-1]] = copy.deepcopy(value)
+
+
+def describe(overrides: dict) -> str:
+    """A short readable name for a trial, e.g. 'w2-b64-zero-2'."""
+    parts = []
+    for path, value in overrides.items():
+        if isinstance(value, dict):
+            value = "-".join(str(v) for v in value.values())
+        elif isinstance(value, float):
+            value = f"{value:.3g}"
+        short = SHORT.get(path, path.rsplit(".", 1)[-1] + "=")
+        parts.append(f"{short}{value}")
+    return "-".join(parts).replace("/", "_") or "base"
+
+
+def plan(spec: ExperimentSpec) -> Plan:
+    """Validate an experiment's sweep block and every trial it implies."""
+    if spec.sweep is None:
+        raise ConfigError("sweep", None, "the experiment has no sweep block",
+                          "add e.g. `sweep: {grid: {scaling.num_workers: [1, 2]}}`, or use `raytrain-par run`")
+    sweep = _from_mapping(SweepSpec, spec.sweep, "sweep")
+    base = {k: v for k, v in spec.to_dict().items() if k != "sweep"}
+    if not (sweep.grid or sweep.cases or sweep.random):
+        raise ConfigError("sweep", spec.sweep, "the search space is empty",
+                          "give values under sweep.grid, sweep.cases or sweep.random")
+    for path, values in sweep.grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"sweep.grid.{path}", values, "expected a non-empty list of values",
+                              f"write e.g. `{path}: [1, 2]`")
+    for i, case in enumerate(sweep.cases):
+        if not isinstance(case, dict) or not case:
+            raise ConfigError(f"sweep.cases[{i}]", case, "expected a non-empty mapping of field paths to values",
+                              "write e.g. `- {scaling.num_workers: 2, train.global_batch_size: 64}`")
+    if sweep.num_samples < 1:
+        raise ConfigError("sweep.num_samples", sweep.num_samples, "must be >= 1", "use 1")
+    if sweep.max_concurrent_trials is not None and sweep.max_concurrent_trials < 1:
+        raise ConfigError("sweep.max_concurrent_trials", sweep.max_concurrent_trials, "must be >= 1",
+                          "leave it out to fit the cluster's free resources")
+    if sweep.search == "optuna":
+        try:
+            import optuna  # noqa: F401
+        except ImportError:
+            raise ConfigError("sweep.search", "optuna", "the optuna package is not installed",
+                              "pip install optuna, or use search: grid / random") from None
+        if sweep.grid or sweep.cases:
+            raise ConfigError("sweep.search", "optuna", "Optuna samples; it does not take grid or cases",
+                              "move the values to sweep.random as lists (choices), or use search: grid")
+
+    points = []
+    grid_items = list(sweep.grid.items())
+    for combo in itertools.product(*[v for _, v in grid_items]) if grid_items else [()]:
+        grid_point = {p: v for (p, _), v in zip(grid_items, combo)}
+        for case in sweep.cases or [{}]:
+            points.append({**case, **grid_point})
+
+    # Every trial must be a valid experiment; random ranges are checked at both ends.
+    random_probes = [{}]
+    for path, dom in sweep.random.items():
+        values = dom if isinstance(dom, list) else [dom.get("min"), dom.get("max")] if isinstance(dom, dict) else None
+        if not values or any(v is None for v in values) or (isinstance(dom, dict) and dom["min"] > dom["max"]):
+            raise ConfigError(f"sweep.random.{path}", dom, "expected a list of choices or {min, max[, log, int]}"
+                              " with min <= max", f"write e.g. `{path}: {{min: 1.0e-4, max: 1.0e-2, log: true}}`")
+        random_probes = [{**p, path: v} for p in random_probes for v in values]
+    specs = []
+    for point in points:
+        for probe in random_probes:
+            try:
+                specs.append(trial_spec(base, sweep, {**point, **probe}))
+            except ConfigError as e:
+                raise ConfigError(f"sweep trial {describe({**point, **probe})}: {e.field}", e.value, e.problem,
+                                  f"{e.fix} (in the sweep block or the experiment)") from None
+    metric = sweep.metric or (spec.target.metric if spec.target else "val_loss")
+    produced = task_metrics(spec.model.name)
+    if metric not in produced:
+        raise ConfigError("sweep.metric", metric, f"{spec.model.name} does not produce it",
+                          f"use one of: {', '.join(produced)}")
+    mode = "max" if metric == "val_accuracy" else "min"
+    target = spec.target.value if spec.target and spec.target.metric == metric else None
+    return Plan(base, sweep, points, metric, mode, target,
+                trial_cpus=max(s.scaling.num_workers * s.scaling.cpus_per_worker for s in specs),
+                trial_gpus=max((s.scaling.num_workers * s.scaling.gpus_per_worker if s.scaling.use_gpu else 0)
+                               for s in specs))

@@ -1,0 +1,191 @@
+"""A real Ray head on this machine, started from clusters/local-autoscale.yaml (Ray's fake_multinode
+provider: extra raylets on this host are its nodes): `ray job submit` of the quickstart succeeds
+with its results written, the autoscaler adds a node for a trainer the head cannot hold and removes
+it once idle, and a failing job is reported as failed.
+
+The head has its own ports, temp dir and token, and the test stops it itself, by the processes of
+its own session: never `ray stop`, which would stop every Ray cluster on the host.
+"""
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from conftest import REPO
+
+pytestmark = pytest.mark.ray
+
+BIN = Path(sys.executable).parent
+IDLE_TIMEOUT_MIN = 0.1  # the test copy's idle_timeout_minutes: 6 s
+
+
+@dataclass
+class Head:
+    dashboard: str  # http://127.0.0.1:PORT, where `ray job submit` goes
+    token: str
+    env: dict
+
+    def api(self, path: str) -> dict:
+        request = urllib.request.Request(self.dashboard + path, headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    def nodes(self) -> list[dict]:
+        return self.api("/api/v0/nodes?limit=100&detail=1")["data"]["result"]["result"]
+
+    def workers_alive(self) -> list[dict]:
+        return [n for n in self.nodes() if not n["is_head_node"] and n["state"] == "ALIVE"]
+
+    def submit(self, submission_id: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+        """`ray job submit` exactly as README.md has it, from the repository root."""
+        return subprocess.run([str(BIN / "ray"), "job", "submit", "--address", self.dashboard,
+                               "--submission-id", submission_id, "--working-dir", ".", "--",
+                               "raytrain-par", "run", "experiments/quickstart.yaml", *args],
+                              cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def job_status(self, submission_id: str) -> str:
+        return self.api(f"/api/jobs/{submission_id}")["status"]
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _session_processes(sid: int) -> list[int]:
+    """Live processes of a session (zombies left out: they are gone, only not yet reaped)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if os.getsid(int(entry)) == sid and state != "Z":
+                    pids.append(int(entry))
+            except (OSError, IndexError):
+                pass
+    return pids
+
+
+def _stop_session(proc: subprocess.Popen) -> None:
+    """Stop every process the head started (its raylets, GCS, dashboard, workers, the fake nodes):
+    they all run in the session `ray start` was given."""
+    for sig, grace_s in ((signal.SIGTERM, 8), (signal.SIGKILL, 10)):
+        for pid in _session_processes(proc.pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while _session_processes(proc.pid) and time.monotonic() < deadline:
+            proc.poll()
+            time.sleep(0.5)
+    proc.wait(timeout=10)
+    assert not _session_processes(proc.pid)
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A fake-multinode head from a copy of clusters/local-autoscale.yaml, on loopback ports of its own."""
+    tmp = Path(tempfile.mkdtemp(prefix="rtp-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    gcs, dashboard, client, agent = _free_ports(4)
+    config = yaml.safe_load((REPO / "clusters" / "local-autoscale.yaml").read_text())
+    config["provider"]["gcs_address"] = f"127.0.0.1:{gcs}"
+    config["idle_timeout_minutes"] = IDLE_TIMEOUT_MIN
+    (tmp / "autoscale.yaml").write_text(yaml.safe_dump(config))
+    token = secrets.token_hex(32)
+    (tmp / "auth_token").write_text(token)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp / "auth_token"), PATH=f"{BIN}:{env['PATH']}",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    head_cpus = config["available_node_types"]["ray.head.default"]["resources"]["CPU"]
+    log = open(tmp / "head.log", "w")
+    proc = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--num-cpus", str(head_cpus),
+         "--object-store-memory", str(500 * 2**20), "--port", str(gcs), "--dashboard-host", "127.0.0.1",
+         "--dashboard-port", str(dashboard), "--ray-client-server-port", str(client),
+         "--dashboard-agent-listen-port", str(agent), "--temp-dir", str(tmp / "ray"), "--disable-usage-stats",
+         "--autoscaling-config", str(tmp / "autoscale.yaml")],
+        env={**env, "RAY_FAKE_CLUSTER": "1"}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    h = Head(f"http://127.0.0.1:{dashboard}", token, env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if h.nodes():
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp / "head.log").read_text()[-3000:]
+            time.sleep(1)
+        yield h
+    finally:
+        _stop_session(proc)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wait(condition, timeout_s: float, poll_s: float = 2.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll_s)
+    return condition()
+
+
+def test_job_runs_on_a_node_the_autoscaler_adds_then_the_idle_node_goes(head, tmp_path):
+    (head_node,) = head.nodes()
+    assert head_node["is_head_node"] and head_node["resources_total"]["CPU"] == 1  # holds 1 of the 2 workers
+    # The quickstart's two 1-CPU workers, shortened.
+    proc = head.submit("rtp-quickstart", "--set", "train.max_steps=4", "--set", "train.eval_every_steps=2",
+                       "--set", "data.max_val_samples=32", "--set", f"output_dir={tmp_path}")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert head.job_status("rtp-quickstart") == "SUCCEEDED"
+    assert "Job 'rtp-quickstart' succeeded" in proc.stdout + proc.stderr
+
+    # The head has 1 CPU and the trainer 2 workers of 1: the job could only succeed on an added node.
+    added = [n for n in head.nodes() if not n["is_head_node"]]
+    assert added and all(n["resources_total"]["CPU"] == 2 for n in added), added
+
+    # Idle for idle_timeout_minutes: the autoscaler removes the node again.
+    t0 = time.monotonic()
+    assert _wait(lambda: not head.workers_alive(), timeout_s=120), head.workers_alive()
+    print(f"\nidle worker node removed {time.monotonic() - t0:.0f} s after the job ended")
+
+    results = tmp_path / "quickstart"
+    records = pq.read_table(results / "metrics.parquet").to_pylist()
+    assert [r["step"] for r in records] == [0, 2, 4] and records[-1]["num_workers"] == 2
+    assert records[-1]["val_loss"] < records[0]["val_loss"]
+    assert pq.read_table(results / "trials.parquet").to_pylist()[0]["status"] == "completed"
+    report = subprocess.run([str(BIN / "raytrain-par"), "report", str(results)], env=head.env, capture_output=True,
+                            text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert "quickstart" in (results / "summary.md").read_text() and (results / "convergence_wall_time.png").exists()
+
+
+def test_failing_job_is_reported_failed(head, tmp_path):
+    proc = head.submit("rtp-bad-lr", "--set", "train.lr=-1", "--set", f"output_dir={tmp_path}", timeout=120)
+    assert proc.returncode != 0
+    assert head.job_status("rtp-bad-lr") == "FAILED"
+    assert "train.lr = -1.0: must be > 0" in proc.stdout + proc.stderr  # the job's own error reaches the submitter
+    assert list(tmp_path.iterdir()) == []

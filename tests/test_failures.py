@@ -1,0 +1,118 @@
+"""Failures: a lost worker, a damaged checkpoint, a resume from another setup — the run ends as if
+nothing happened, or is refused before it starts."""
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.util.state import list_actors
+
+from conftest import experiment_file
+from raytrain_par import checkpoints
+from raytrain_par.config import load_experiment
+from raytrain_par.driver import check_resumable, run_experiment
+from raytrain_par.errors import UserError
+from raytrain_par.metrics.records import read_records
+
+COMMON = ["train.eval_every_steps=2", "train.lr_schedule=constant", "train.warmup_steps=0",
+          "data.max_val_samples=16", "scaling.num_workers=2", "train.keep_checkpoints=2"]
+
+
+def _spec(out, *overrides):
+    return load_experiment(experiment_file("quickstart.yaml"), [*COMMON, f"output_dir={out}", *overrides])
+
+
+@pytest.fixture(scope="module")
+def straight(ray_cluster, tmp_path_factory):
+    """The uninterrupted run every failure case must end equal to."""
+    result = run_experiment(_spec(tmp_path_factory.mktemp("straight"), "train.max_steps=8"), log=lambda *_: None)
+    assert result.error is None
+    return result.records
+
+
+def _assert_same_end(records, straight):
+    assert [r["step"] for r in records] == [r["step"] for r in straight]  # none lost, none duplicated
+    for key in ("train_loss", "val_loss", "samples_seen"):
+        assert records[-1][key] == pytest.approx(straight[-1][key], abs=1e-6), key
+
+
+@pytest.mark.ray
+def test_resume_skips_a_damaged_checkpoint_and_ends_equal(straight, tmp_path, capfd):
+    first = run_experiment(_spec(tmp_path, "train.max_steps=6"), log=lambda *_: None)
+    assert first.error is None
+    ckpts = sorted((tmp_path / "quickstart" / "train").glob("checkpoint_*/"))
+    assert len(ckpts) == 2  # steps 4 and 6 kept
+    latest = ckpts[-1] / "ddp.pt"
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # cut short, as by a full disk
+    resumed = run_experiment(_spec(tmp_path, "train.max_steps=8"), resume=True, log=lambda *_: None)
+    assert resumed.error is None
+    out = capfd.readouterr()
+    assert "is damaged: ddp.pt (rank 0) has" in out.out + out.err
+    assert "at step 4" in out.out + out.err  # the one before it
+    _assert_same_end(resumed.records, straight)
+
+
+@pytest.mark.ray
+def test_killed_worker_is_replaced_and_the_run_ends_equal(straight, tmp_path):
+    spec = _spec(tmp_path, "train.max_steps=8", "train.max_failures=1")
+    done = {}
+    thread = threading.Thread(target=lambda: done.update(result=run_experiment(spec, log=lambda *_: None)))
+    thread.start()
+    metrics = tmp_path / "quickstart" / "metrics.parquet"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and any(r["step"] >= 2 for r in read_records(metrics))):
+        time.sleep(0.2)
+    workers = list_actors(address=ray.get_runtime_context().gcs_address,
+                          filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    assert len(workers) == 2
+    os.kill(workers[1]["pid"], signal.SIGKILL)  # from outside, as the OOM killer or a lost node would
+    thread.join(600)
+    result = done["result"]
+    assert result.error is None
+    _assert_same_end(result.records, straight)
+
+
+def _checkpoint(tmp_path, world=2):
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for rank in range(world):
+        (d / f"state-rank{rank}.pt").write_bytes(os.urandom(1000))
+        part = tmp_path / f"part{rank}"
+        part.mkdir()
+        (part / f"state-rank{rank}.pt").write_bytes((d / f"state-rank{rank}.pt").read_bytes())
+        checkpoints.write_manifest(part, rank, world, step=10)
+        (d / f"manifest-rank{rank}.json").write_text((part / f"manifest-rank{rank}.json").read_text())
+    return d
+
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda d: None, None),
+    (lambda d: (d / "state-rank1.pt").unlink(), "state-rank1.pt (rank 1) is missing"),
+    (lambda d: (d / "state-rank0.pt").write_bytes(b"x" * 10), "has 10 bytes, 1000 were written"),
+    (lambda d: (d / "state-rank0.pt").write_bytes(os.urandom(1000)), "does not match its checksum"),
+    (lambda d: (d / "manifest-rank1.json").unlink(), "ranks [0], but was written by 2 ranks"),
+    (lambda d: [m.unlink() for m in d.glob("manifest-*")], "has no manifest"),
+])
+def test_damaged_checkpoints_are_found(tmp_path, damage, words):
+    d = _checkpoint(tmp_path)
+    damage(d)
+    found = checkpoints.problem(d)
+    assert found is None if words is None else words in found
+
+
+def test_resume_from_another_model_is_refused_before_start(tmp_path):
+    written = _spec(tmp_path)
+    ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
+    ckpt.mkdir(parents=True)
+    (ckpt / "loop.json").write_text(json.dumps({"experiment": written.to_dict()}))
+    check_resumable(written, tmp_path / "train")  # the same setup resumes
+    other = _spec(tmp_path, "model.name=gpt2-mini", "scaling.num_workers=1", "train.global_batch_size=32")
+    with pytest.raises(UserError) as err:
+        check_resumable(other, tmp_path / "train")
+    assert "model: checkpoint" in str(err.value) and "gpt2-mini" in str(err.value)
+    assert "scaling.num_workers: checkpoint 2, experiment 1" in str(err.value) and "fix:" in str(err.value)
