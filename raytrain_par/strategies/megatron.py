@@ -26,7 +26,6 @@ written with one T loads with another: shards are joined and re-split, parameter
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
