@@ -43,3 +43,12 @@ def test_summarize_and_rank():
     assert fast["throughput"] == pytest.approx(100 * 32 / 20.0)
     assert fast["epoch_time_s"] == pytest.approx(20.0)
     assert [r["trial"] for r in rank([never, slow, fast])] == ["fast", "slow", "never"]
+
+
+def test_records_keep_columns_that_appear_later(tmp_path):
+    from raytrain_par.metrics.records import RecordWriter, read_records
+
+    w = RecordWriter(tmp_path / "m.parquet")
+    w.append({"trial": "t", "step": 0, "val_loss": 1.0})
+    w.append({"trial": "t", "step": 2, "val_loss": 0.5, "mem_activation_bytes": 123})
+    assert [r.get("mem_activation_bytes") for r in read_records(tmp_path / "m.parquet")] == [None, 123]

@@ -58,8 +58,11 @@ def write_table(path: str | Path, rows: list[dict]) -> Path:
     """Rows -> a Parquet file, replaced atomically (readers never see half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Every column any row has (a strategy may add one from its second record on): pyarrow would
+    # take the columns of the first row only.
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     tmp = path.with_suffix(".parquet.tmp")
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), tmp)
     os.replace(tmp, path)
     return path
 
