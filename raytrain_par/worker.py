@@ -169,7 +169,8 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
         torch.save(rng, directory / f"rng-rank{self.ctx.rank}.pt")
         if self.ctx.rank == 0:
-            meta = {"state": asdict(self.state), "experiment": self.spec.to_dict(), "format": 1}
+            meta = {"state": asdict(self.state), "experiment": self.spec.to_dict(), "data": self.info.to_json(),
+                    "format": 1}
             (directory / "loop.json").write_text(json.dumps(meta, indent=1))
 
     def _load(self, directory: Path) -> None:

@@ -171,3 +171,45 @@ def test_offload_that_does_not_fit_in_host_memory_is_rejected():
 def test_fp16_needs_a_gpu():
     _expect_error({"name": "x", "model": "gpt2-tiny", "data": "kjv", "train": {"precision": "fp16"}},
                   "train.precision", "GPUs")
+
+
+@pytest.mark.ray
+def test_zero3_through_ray_resumes_exactly_and_exports_a_plain_model(ray_cluster, tmp_path, info):
+    """Two Ray runs of zero-3 on 2 workers -- 4 steps, then resumed to 6 from the checkpoint the
+    first wrote -- train exactly the steps one uninterrupted process group trains; `export` then
+    writes a GPT-2 that transformers loads with every key and that scores the run's validation loss."""
+    from transformers import GPT2LMHeadModel
+
+    from raytrain_par.cli import main
+    from raytrain_par.driver import run_experiment
+
+    steps = 6
+    raw = {**experiment("gpt2-tiny", "kjv", strategy="zero-3", workers=2, steps=steps), "output_dir": str(tmp_path)}
+    raw["train"].update(eval_every_steps=2, eval_at_start=False)
+    raw["data"]["max_val_samples"] = 32
+    reference = run_ranks(2, train_steps, experiment("gpt2-tiny", "kjv", strategy="ddp", workers=2, steps=steps),
+                          info("kjv"), steps)[0]["losses"]
+
+    spec = config.parse({**raw, "train": {**raw["train"], "max_steps": 4}})
+    first = run_experiment(spec, log=lambda *_: None)
+    assert first.error is None, first.error
+    resumed = run_experiment(config.parse(raw), resume=True, log=lambda *_: None)
+    assert resumed.error is None, resumed.error
+    records = resumed.records
+    assert [r["step"] for r in records] == [2, 4, 6]
+    for r in records:
+        assert r["train_loss"] == pytest.approx(sum(reference[r["step"] - 2:r["step"]]) / 2, abs=1e-6)
+        assert r["strategy"] == "zero-3"
+        assert r["mem_model_state_bytes"] > 0 and r["mem_model_state_theory_bytes"] > 0
+
+    out = tmp_path / "exported"
+    assert main(["export", str(resumed.results_dir), "--out", str(out)]) == 0
+    model, loading = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]
+    data_info = DatasetInfo.from_json(info("kjv"))
+    task = models.build(config.ModelSpec(name="gpt2-tiny"), data_info, 0)[1]
+    val = read_split(data_info, data_info.val_path)
+    batch = {k: v[:32] for k, v in val.items()}
+    with torch.no_grad():
+        sums = task.eval_sums(model.eval(), task.prepare(batch, torch.device("cpu")))
+    assert float(sums[0] / sums[1]) == pytest.approx(records[-1]["val_loss"], abs=1e-5)
