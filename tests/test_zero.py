@@ -67,6 +67,13 @@ def test_sharded_strategies_match_ddp_and_hold_what_the_estimate_says(info):
     assert held["zero-3"] < held["zero-2"]
 
 
+def test_one_process_zero_equals_ddp(info):
+    """Without a process group (one worker), ZeRO makes its own one-rank group and trains as DDP does."""
+    specs = {name: experiment("gpt2-tiny", "kjv", strategy=name, workers=1, steps=2) for name in ("ddp", "zero-2")}
+    out = run_ranks(1, _train_each, specs, info("kjv"), 2)[0]
+    assert out["zero-2"]["losses"] == out["ddp"]["losses"]
+
+
 def _resume(rank, world, specs: dict, info_dict: dict, root: str) -> dict:
     """Per strategy: 4 steps straight, and 2 steps + checkpoint + a fresh engine that loads it + 2 steps.
     Each rank writes its own directory; rank 0 merges them (as Ray merges the workers' checkpoint
@@ -213,3 +220,20 @@ def test_zero3_through_ray_resumes_exactly_and_exports_a_plain_model(ray_cluster
     with torch.no_grad():
         sums = task.eval_sums(model.eval(), task.prepare(batch, torch.device("cpu")))
     assert float(sums[0] / sums[1]) == pytest.approx(records[-1]["val_loss"], abs=1e-5)
+
+
+def test_estimate_prints_each_strategy_and_flags_what_does_not_fit(capsys):
+    from conftest import experiment_file
+    from raytrain_par.cli import main
+
+    path = str(experiment_file("zero-memory.yaml"))
+    assert main(["estimate", path, "--workers", "1,4", "--strategies", "ddp,zero-3,fsdp",
+                 "--device-memory", "400MiB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "26.3M parameters" in lines[0]
+    rows = {(cells[0], int(cells[1])): cells for cells in (line.split() for line in lines[2:])}
+    assert set(rows) == {(s, w) for s in ("ddp", "zero-3", "fsdp") for w in (1, 4)}
+    assert rows[("ddp", 4)][-1] == "NO" and rows[("fsdp", 4)][-1] == "yes"  # 16 vs 4 B/param of 26M + activations
+    assert float(rows[("fsdp", 4)][-2]) == pytest.approx(4.0)  # bytes per parameter
+    assert main(["estimate", path, "--workers", "0"]) == 2
+    assert "--workers" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..metrics.memory import (Sharding, StateBytes, allocated_bytes, model_state_census, model_state_theory,
                               optimizer_state_bytes, peak_bytes, storage_bytes)
+from ..models import parameter_count
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -90,11 +91,6 @@ def lr_factor(train, total_steps: int):
     return factor
 
 
-def unique_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters once each (a tied weight is one parameter)."""
-    return list({id(p): p for p in model.parameters()}.values())
-
-
 def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
     if parts == 1:
         return [batch]
@@ -108,15 +104,15 @@ class Engine(ABC):
 
     #: options dataclass of the strategy (the keys allowed under `strategy:` besides `name`)
     Options: type
-    #: which model states the strategy divides among its data-parallel ranks (for the theory
-    #: beside the measured bytes); None where the layout is not data parallel alone
-    sharding: Sharding | None = Sharding()
+    #: which model states the strategy divides among its data-parallel ranks, for the theory beside
+    #: the measured bytes; None (no theory) unless the engine declares it
+    sharding: Sharding | None = None
 
     def __init__(self, model: nn.Module, task, train, options, ctx: DistContext, total_steps: int):
         self.task, self.train, self.options, self.ctx = task, train, options, ctx
         self.total_steps = total_steps
         self.device = ctx.device
-        self.num_params = sum(p.numel() for p in unique_parameters(model))
+        self.num_params = parameter_count(model)
         self._peak_state: dict[str, int] = {}
         # What the allocator held before this engine existed, not counting the model it was handed
         # (whose storages the engine takes over, moves or replaces): model states held later are

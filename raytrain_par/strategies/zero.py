@@ -204,7 +204,7 @@ def check_deepspeed_keys(override: dict, stage: int, error) -> None:
         problem = "not a DeepSpeed config key" if first["type"] == "extra_forbidden" else first["msg"]
         error(f"strategy.deepspeed.{path}", first.get("input"), f"{problem} ({e.title})",
               "see https://www.deepspeed.ai/docs/config-json/ for the keys and values DeepSpeed takes")
-    except (AssertionError, ValueError, TypeError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - DeepSpeed signals a bad config with asserts and errors of its own
         error("strategy.deepspeed", override, f"DeepSpeed rejects the config: {e}",
               "see https://www.deepspeed.ai/docs/config-json/")
     unknown = [k for k in override if k not in cfg.looked_up]
@@ -269,6 +269,9 @@ class ZeroEngine(Engine):
 
         if self.device.type == "cuda" and train.precision == "bf16" and not torch.cuda.is_bf16_supported():
             raise ValueError("train.precision = 'bf16': this GPU has no bf16 support; use fp16 or fp32")
+        if not dist.is_initialized():  # one process without a group: DeepSpeed still wants one
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
         config = merged(deepspeed_config(self.stage, options, train, train.global_batch_size, self.dp_size,
                                          self.num_params, self.device.type), options.deepspeed)
         self.model = model.to(self.device)
