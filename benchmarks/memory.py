@@ -15,9 +15,12 @@ what each worker holds:
   fp32 master copy of its partition also when training in fp32, +4/N; its gradient buckets);
 - the reduction against DDP on as many workers, and the step time against DDP's.
 
-    python benchmarks/memory.py                          # the whole grid (~15 min on 2 cores)
+    python benchmarks/memory.py                          # the whole grid
     python benchmarks/memory.py --workers 4 --precisions bf16 --strategies ddp,zero-3,fsdp
-    python benchmarks/memory.py --out .bench/memory.json
+    python benchmarks/memory.py --set data.seq_len=32 --set train.global_batch_size=4   # less compute
+
+Model states do not depend on the batch, so `--set` can shrink it where compute is scarce (CPUs
+without native bf16 run bf16 matrix products an order of magnitude slower than fp32).
 
 Prints a Markdown table and writes the rows as JSON.
 """
@@ -115,12 +118,14 @@ def main(argv=None) -> int:
     p.add_argument("--strategies", help="default: the experiment's sweep")
     p.add_argument("--workers", help="e.g. 1,2,4 (default: the experiment's sweep)")
     p.add_argument("--precisions", help="fp32,bf16 (default: the experiment's sweep)")
-    p.add_argument("--steps", type=int, default=4, help="steps per measurement (>= 2: optimizer state exists "
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the experiment, as `raytrain-par run --set`")
+    p.add_argument("--steps", type=int, default=3, help="steps per measurement (>= 2: optimizer state exists "
                    "from the second on)")
     p.add_argument("--out", default=str(REPO / ".bench" / "memory.json"))
     args = p.parse_args(argv)
 
-    spec = config.load_experiment(args.experiment)
+    spec = config.load_experiment(args.experiment, args.overrides)
     sweep = spec.sweep or {}
 
     def pick(option, key, default):

@@ -112,11 +112,17 @@ class Engine(ABC):
         self.task, self.train, self.options, self.ctx = task, train, options, ctx
         self.total_steps = total_steps
         self.device = ctx.device
+        if self.device.type == "cuda" and train.precision == "bf16" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"train.precision = 'bf16': {torch.cuda.get_device_name(self.device)} has no bf16 "
+                             "support (it needs compute capability 8.0 or newer); use fp16 or fp32")
         self.num_params = parameter_count(model)
         self._peak_state: dict[str, int] = {}
         # What the allocator held before this engine existed, not counting the model it was handed
         # (whose storages the engine takes over, moves or replaces): model states held later are
-        # measured against it.
+        # measured against it. The first optimizer a process builds imports torch._dynamo (tens of
+        # MB of modules, not model state): import it first.
+        import torch._dynamo  # noqa: F401
+
         in_use = allocated_bytes(self.device)
         on_device = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == self.device.type]
         self._baseline = None if in_use is None else in_use - storage_bytes(on_device)

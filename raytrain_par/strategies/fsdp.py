@@ -79,14 +79,15 @@ class FSDPEngine(Engine):
                           est.expected if options.offload else 0.0)
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
-        super().__init__(model, task, train, options, ctx, total_steps)
+        # imported before the base class takes its memory baseline (imports are not model state)
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        super().__init__(model, task, train, options, ctx, total_steps)
 
         self.model = model.to(self.device)
         self.sharded = ctx.distributed
         if self.sharded:
-            from torch.distributed.device_mesh import init_device_mesh
-
             mesh = init_device_mesh(self.device.type, (ctx.world_size,))
             mp = (MixedPrecisionPolicy(param_dtype=DTYPES[train.precision], reduce_dtype=torch.float32)
                   if train.precision != "fp32" else MixedPrecisionPolicy())

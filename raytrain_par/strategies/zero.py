@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import logging
 import os
 import warnings
@@ -73,6 +74,9 @@ class Options:
 
 
 STAGES = {"zero-1": 1, "zero-2": 2, "zero-3": 3}
+# Modules `deepspeed.initialize` imports on first use (its optimizer check pulls in a
+# torch.compile'd optimizer, hence torch._inductor): imported before memory is measured.
+LAZY_IMPORTS = ("deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer")
 
 
 # -- the DeepSpeed config ------------------------------------------------------------------------
@@ -191,7 +195,15 @@ def check_deepspeed_keys(override: dict, stage: int, error) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
     from pydantic import ValidationError
 
-    base = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+    # DeepSpeedConfig checks the batch against the world size of DeepSpeed's communication backend once
+    # one is up (workers parse the experiment too): the placeholders follow it
+    from deepspeed import comm as ds_comm
+
+    try:
+        world = ds_comm.get_world_size()
+    except (RuntimeError, AssertionError, AttributeError):
+        world = 1
+    base = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
             "zero_optimization": {"stage": stage}}
     cfg = _KeyLog(merged(base, override))
     try:
@@ -261,17 +273,22 @@ class ZeroEngine(Engine):
         return StateBytes(est.theory, expected, offloaded)
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
-        super().__init__(model, task, train, options, ctx, total_steps)
+        # Imported before the base class takes its memory baseline: what importing DeepSpeed
+        # allocates (tens of MB, once per process) is not model state.
         _quiet_deepspeed()
-        if self.device.type == "cpu":
+        if ctx.device.type == "cpu":
             _skip_shm_comm_op()
         import deepspeed
 
-        if self.device.type == "cuda" and train.precision == "bf16" and not torch.cuda.is_bf16_supported():
-            raise ValueError("train.precision = 'bf16': this GPU has no bf16 support; use fp16 or fp32")
+        for name in LAZY_IMPORTS:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+
         if not dist.is_initialized():  # one process without a group: DeepSpeed still wants one
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(),
+            dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo", store=dist.HashStore(),
                                     rank=0, world_size=1)
+        deepspeed.init_distributed(dist_init_required=False)
+        super().__init__(model, task, train, options, ctx, total_steps)
         config = merged(deepspeed_config(self.stage, options, train, train.global_batch_size, self.dp_size,
                                          self.num_params, self.device.type), options.deepspeed)
         self.model = model.to(self.device)
@@ -314,6 +331,11 @@ class ZeroEngine(Engine):
         for g in (averaged.values() if isinstance(averaged, dict) else averaged):
             grads.extend(g or [])
         grads.extend(getattr(opt, "ipg_buffer", None) or [])
+        for bucket in (getattr(opt, "ipg_buckets", None) or {}).values():
+            buffer = getattr(bucket, "buffer", None)
+            grads.extend([buffer] if isinstance(buffer, torch.Tensor) else buffer or [])
+        if isinstance(getattr(opt, "grads_in_partition", None), torch.Tensor):
+            grads.append(opt.grads_in_partition)
         for name in ("grad_partitions_flat_buffer", "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer"):
             if isinstance(getattr(opt, name, None), torch.Tensor):
                 grads.append(getattr(opt, name))
