@@ -35,11 +35,14 @@ def test_sharded_strategies_match_ddp_and_hold_what_the_estimate_says(info):
                  weight_decay=0.1)
     specs = {name: experiment(MODEL, "kjv", strategy=name, workers=2, steps=steps, **train)
              for name in ["ddp", *SHARDED]}
+    # ZeRO-Offload: the same numbers, stepped by the experiment's own optimizer in host memory
+    specs["zero-3 offloaded"] = experiment(MODEL, "kjv", workers=2, steps=steps, **train, strategy={
+        "name": "zero-3", "offload_optimizer": True, "offload_param": True})
     out = run_ranks(2, _train_each, specs, info("kjv"), steps)
     ddp = out[0]["ddp"]
     assert ddp["losses"][-1] < ddp["losses"][0]
     held = {}
-    for name in SHARDED:
+    for name in [*SHARDED, "zero-3 offloaded"]:
         run = out[0][name]
         assert out[1][name]["losses"] == run["losses"], name  # every rank reports the global loss
         assert run["losses"] == pytest.approx(ddp["losses"], abs=1e-6, rel=1e-6), name
@@ -237,3 +240,29 @@ def test_estimate_prints_each_strategy_and_flags_what_does_not_fit(capsys):
     assert float(rows[("fsdp", 4)][-2]) == pytest.approx(4.0)  # bytes per parameter
     assert main(["estimate", path, "--workers", "0"]) == 2
     assert "--workers" in capsys.readouterr().err
+
+
+def test_export_writes_a_vgg_checkpoint_as_safetensors(tmp_path, info):
+    """export needs only a checkpoint's loop.json and gathered weights, whatever strategy wrote it."""
+    import json
+
+    from safetensors.torch import load_model
+
+    from raytrain_par.export import export
+    from raytrain_par.strategies.base import WEIGHTS_FILE, write_weights
+
+    raw = experiment({"name": "vgg11", "width": 0.125}, "digits", strategy="fsdp", workers=2)
+    spec, data_info = config.from_dict(raw), DatasetInfo.from_json(info("digits"))
+    trained, _ = models.build(spec.model, data_info, seed=1)  # other weights than a fresh build (seed 0)
+    for step in (2, 4):  # the furthest step is exported
+        ckpt = tmp_path / "run" / "train" / f"checkpoint_{step}"
+        ckpt.mkdir(parents=True)
+        write_weights(trained.state_dict() if step == 4 else {}, ckpt / WEIGHTS_FILE)
+        (ckpt / "loop.json").write_text(json.dumps({"state": {"step": step}, "experiment": raw,
+                                                    "data": info("digits")}))
+    export(tmp_path / "run", tmp_path / "out", log=lambda *_: None)
+    fresh, _ = models.build(spec.model, data_info, seed=0)
+    load_model(fresh, str(tmp_path / "out" / "model.safetensors"))  # strict: every key
+    for key, value in trained.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model"]["name"] == "vgg11"

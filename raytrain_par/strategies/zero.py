@@ -311,8 +311,15 @@ class ZeroEngine(Engine):
         total = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             loss = self.task.loss(self.module, self.prepare(mb))
+            last = i == len(micro) - 1
+            if last and self.stage == 1:
+                # ZeRO-1 holds whole gradients until the end of the last backward pass, where
+                # DeepSpeed reduce-scatters them and drops all but its partition: count them then,
+                # from a callback the autograd engine runs once the pass is done (as FSDP does).
+                # Stages 2 and 3 reduce gradients bucket by bucket during the pass.
+                loss.register_hook(_at_end_of_backward(self.note_memory))
             self.module.backward(loss)  # scales by 1/accumulation steps; reduces at the boundary
-            if i == len(micro) - 1:
+            if last and self.stage > 1:
                 self.note_memory()
             self.module.step()  # the optimizer steps at the accumulation boundary only
             total += loss.detach() / len(micro)
@@ -393,6 +400,14 @@ class ZeroEngine(Engine):
         for name, t in self.model.state_dict(keep_vars=True).items():
             out[name] = full[id(t)] if isinstance(t, nn.Parameter) else t.detach().cpu()
         return out
+
+
+def _at_end_of_backward(fn):
+    """A tensor hook that queues `fn` to run once the current backward pass has finished."""
+    def hook(grad):
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+        return grad
+    return hook
 
 
 def _shape(p: nn.Parameter):
