@@ -6,6 +6,9 @@
     raytrain-par check EXPERIMENT.yaml [--set ...]      validate and print the resolved experiment
     raytrain-par data EXPERIMENT.yaml                   prepare (and cache) the experiment's data set
     raytrain-par cluster validate [FILES] [--experiment X.yaml ...]   check cluster YAMLs offline
+    raytrain-par estimate EXPERIMENT.yaml [--workers 1,2,4,8] [--device-memory 80GiB] [--strategies ...]
+                                                        per-worker memory of each strategy, before launching
+    raytrain-par export RUN_DIR --out DIR               the plain model of a run's latest checkpoint
 """
 
 from __future__ import annotations
@@ -55,6 +58,15 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("files", nargs="*", help="cluster files (default: every YAML in clusters/)")
     validate.add_argument("--experiment", dest="experiments", action="append", default=[], metavar="X.yaml",
                           help="experiment (or sweep) the cluster must hold (repeatable)")
+    est = sub.add_parser("estimate", help="predict per-worker memory of each strategy and worker count")
+    experiment_args(est)
+    est.add_argument("--workers", help="worker counts, e.g. 1,2,4,8 (default: the sweep's, else the experiment's)")
+    est.add_argument("--strategies", help="strategies, e.g. ddp,zero-3 (default: every strategy that can say)")
+    est.add_argument("--device-memory", help="memory of one device (e.g. 80GiB): flags what does not fit")
+
+    exp = sub.add_parser("export", help="write the plain model of a run's latest checkpoint")
+    exp.add_argument("run_dir", help="results directory of a run (results/<experiment>) or a checkpoint")
+    exp.add_argument("--out", required=True, help="directory to write the model into")
     return p
 
 
@@ -81,7 +93,12 @@ def _dispatch(args) -> int:
         for f in write_report(args.results, args.out):
             print(f"written {f}")
         return 0
-    spec = load_experiment(args.experiment, args.overrides)
+    if args.command == "export":
+        from .export import export
+
+        export(args.run_dir, args.out)
+        return 0
+    spec = load_experiment(args.experiment, args.overrides, check_data=args.command != "estimate")
     if args.command == "check":
         print(yaml.safe_dump(spec.to_dict(), sort_keys=False), end="")
         return 0
@@ -99,6 +116,8 @@ def _dispatch(args) -> int:
         plan(spec)  # every trial is validated before Ray starts
         result = run_sweep(spec, address=args.address, resume=args.resume)
         return 1 if any(t["status"] == "failed" for t in result.trials) else 0
+    if args.command == "estimate":
+        return _estimate(spec, args)
     from .driver import run_experiment
 
     result = run_experiment(spec, address=args.address, resume=args.resume)
@@ -121,6 +140,39 @@ def _cluster_validate(files: list[str], experiments: list[str]) -> int:
     if bad:
         print(f"{len(bad)} of {len(results)} cluster file(s) have problems", file=sys.stderr)
     return 2 if bad else 0
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UserError(f"{option} {text!r}: expected positive integers separated by commas.\n  fix: e.g. {option} 1,2,4,8")
+    return values
+
+
+def _estimate(spec, args) -> int:
+    from . import estimate, strategies
+
+    if args.workers:
+        workers = _int_list(args.workers, "--workers")
+    else:
+        swept = (spec.sweep or {}).get("scaling.num_workers")
+        workers = [int(w) for w in swept] if isinstance(swept, list) else [spec.scaling.num_workers]
+    if args.strategies:
+        names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+        unknown = [n for n in names if n not in strategies.NAMES]
+        if unknown:
+            raise UserError(f"--strategies: unknown strategy {unknown[0]!r}.\n  fix: use some of: {', '.join(strategies.NAMES)}")
+    else:
+        names = list(strategies.NAMES)
+    device_memory = estimate.parse_size(args.device_memory) if args.device_memory else None
+    rows = estimate.estimate(spec, names, workers)
+    params = rows[0].params if rows else 0
+    print(f"{spec.name}: {spec.model.name}, {params / 1e6:.1f}M parameters, {spec.train.optimizer}, "
+          f"{spec.train.precision}, global batch {spec.train.global_batch_size}"
+          + (f", device memory {args.device_memory}" if device_memory else ""))
+    print(estimate.table(rows, device_memory))
+    return 0
 
 
 if __name__ == "__main__":

@@ -100,6 +100,9 @@ class TrainSpec:
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = 0.1  # cosine / linear decay ends at lr * min_lr_ratio
     grad_clip: float = 0.0  # max gradient norm; 0: no clipping
+    # fp32, or mixed precision: bf16 / fp16 compute (how depends on the strategy: autocast for ddp,
+    # 16-bit parameters with fp32 master weights for zero-N, a MixedPrecisionPolicy for fsdp)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 0
     eval_every_steps: Optional[int] = None  # default: at the end of every epoch
     eval_at_start: bool = True  # a record before the first step: where every curve starts
@@ -378,6 +381,9 @@ def validate(spec: ExperimentSpec) -> None:
     _check(t.checkpoint_every_evals >= 0, "train.checkpoint_every_evals", t.checkpoint_every_evals, "must be >= 0",
            "use 1 to checkpoint at every evaluation, 0 never")
     _check(t.keep_checkpoints >= 1, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 1", "use e.g. 2")
+    _check(not (t.precision == "fp16" and not s.use_gpu), "train.precision", t.precision,
+           "fp16 training needs GPUs (loss scaling and fp16 kernels are CUDA features)",
+           "use bf16 on CPU, or set scaling.use_gpu: true")
     _check(t.max_failures >= -1, "train.max_failures", t.max_failures, "must be >= 0 (or -1: retry forever)", "use e.g. 3")
 
     spec.strategy.options.validate(spec, lambda *a: _check(False, *a))

@@ -31,6 +31,7 @@ from .data.loader import MemoryLoader, StreamLoader, eval_batches
 from .data.shards import DatasetInfo
 from .metrics.records import RecordWriter, merge, progress_line
 from .strategies import DistContext, Engine
+from .strategies.base import WEIGHTS_FILE, write_weights
 
 
 @dataclass
@@ -180,12 +181,19 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------
     def _save(self, directory: Path) -> None:
         self.engine.save(directory)
+        # The plain model's weights, gathered, in every checkpoint: `raytrain-par export` reads them
+        # without the process group (or strategy) that wrote the shards.
+        weights = self.engine.full_state_dict()
+        if self.ctx.rank == 0:
+            write_weights(weights, directory / WEIGHTS_FILE)
+        del weights
         rng = {"torch": torch.get_rng_state()}
         if self.ctx.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
         torch.save(rng, directory / f"rng-rank{self.ctx.rank}.pt")
         if self.ctx.rank == 0:
-            meta = {"state": asdict(self.state), "experiment": self.spec.to_dict(), "format": 1}
+            meta = {"state": asdict(self.state), "experiment": self.spec.to_dict(), "data": self.info.to_json(),
+                    "format": 1}
             (directory / "loop.json").write_text(json.dumps(meta, indent=1))
         checkpoints.write_manifest(directory, self.ctx.rank, self.ctx.world_size, self.state.step)
 

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from raytrain_par.metrics.memory import MALLOC_ENV
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -40,6 +42,8 @@ def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> list:
     """fn(rank, world, *args) on `world` processes; returns the results ordered by rank.
     `fn` must be importable (defined at module level)."""
     ctx = mp.get_context("spawn")
+    os.environ.update(MALLOC_ENV)  # read by each child's C library at start-up (memory accounting)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     queue = ctx.SimpleQueue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]

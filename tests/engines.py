@@ -25,11 +25,11 @@ def train_steps(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: 
     'memory': engine.memory()}."""
     spec = config.from_dict(spec_dict)
     info = DatasetInfo.from_json(info_dict)
+    arrays = read_split(info, info.train_path)  # before the engine, as in the worker loop: not model state
     model, task = models.build(spec.model, info, spec.train.seed)
     ctx = DistContext.current(torch.device("cpu"))
     engine = strategies.build_engine(spec.strategy, model, task, spec.train, ctx, total_steps=steps)
-    loader = MemoryLoader(read_split(info, info.train_path), spec.train.global_batch_size, engine.dp_rank,
-                          engine.dp_size, spec.train.seed)
+    loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
     losses = []
     for i, batch in zip(range(steps), loader.epoch(0)):
         local = engine.train_step(batch)

@@ -34,7 +34,11 @@ def test_ddp_memory_counts_bucketed_gradients(info):
     n_param_bytes = mem["mem_param_bytes"]
     assert mem["mem_grad_bytes"] >= n_param_bytes  # a gradient per parameter, inside the buckets
     assert mem["mem_optim_bytes"] == pytest.approx(2 * n_param_bytes, rel=0.01)
-    assert mem["mem_model_state_bytes"] / n_param_bytes * 4 == pytest.approx(16, rel=0.05)
+    assert mem["mem_model_state_census_bytes"] / n_param_bytes * 4 == pytest.approx(16, rel=0.05)
+    assert mem["mem_model_state_theory_bytes"] == 4 * n_param_bytes
+    # the allocator's count holds at least the census (and, at this tiny size, the runtime's first-step
+    # allocations: see test_zero.py for the bytes-per-parameter comparison on a larger model)
+    assert mem["mem_model_state_bytes"] >= mem["mem_model_state_census_bytes"]
     assert mem["mem_peak_bytes"] > mem["mem_model_state_bytes"]
 
 

@@ -32,7 +32,10 @@ NEEDS_PATH = ("wikitext-103", "imagenet-folder")
 DEFAULT_VAL_FRACTION = 0.05
 
 __all__ = ["DatasetInfo", "NAMES", "TEXT", "IMAGE", "NEEDS_PATH", "kind_of", "check_available", "prepare",
-           "default_cache_dir"]
+           "default_cache_dir", "shape_of"]
+
+# Stored image shapes [C, H, W] and classes of the built-in image sets.
+IMAGE_SHAPES = {"digits": ([1, 8, 8], 10), "fashion-mnist": ([1, 28, 28], 10)}
 
 
 def kind_of(name: str) -> str:
@@ -56,6 +59,22 @@ def check_available(spec) -> None:
             root = Path(spec.path or "").expanduser() / split
             if not spec.path or not root.is_dir():
                 images.image_folder(spec.path, split)  # raises with the fix
+
+
+def shape_of(spec) -> DatasetInfo:
+    """What a model built for this data set needs to know (vocabulary and row length, or image shape
+    and classes), without preparing it: for sizing models before anything runs. The vocabulary is the
+    one asked for (a tokenizer trained on a small corpus may end up with fewer tokens)."""
+    common = dict(name=spec.name, train_path="", val_path="", num_train=0, num_val=0)
+    if spec.name in TEXT:
+        return DatasetInfo(kind="text", seq_len=spec.seq_len, vocab_size=spec.vocab_size, **common)
+    if spec.name == "imagenet-folder":
+        train = Path(spec.path or "").expanduser() / "train"
+        classes = sum(1 for d in train.iterdir() if d.is_dir()) if spec.path and train.is_dir() else 1000
+        size = spec.image_size or 224
+        return DatasetInfo(kind="image", image_shape=[3, size, size], num_classes=classes, **common)
+    shape, classes = IMAGE_SHAPES[spec.name]
+    return DatasetInfo(kind="image", image_shape=list(shape), num_classes=classes, **common)
 
 
 def _key(spec) -> str:

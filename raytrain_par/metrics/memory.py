@@ -1,17 +1,37 @@
-"""Per-worker memory: model states actually held, and peak process (or device) memory.
+"""Per-worker memory: model states actually held, peak process (or device) memory, and theory.
 
-Model-state bytes are counted from live tensors (parameters, gradients, optimizer state), each
-storage once however many views point into it, so a gradient that is a view into DDP's bucket
-counts the bucket, and a tied weight counts once.
+Two counts of model states, for two questions:
+
+- *Held* (`mem_model_state_bytes`): what the allocator has handed out and not taken back, at the
+  moment model states peak (after the optimizer step, before gradients are freed), minus what was
+  in use before the engine existed. On GPUs that is `torch.cuda.memory_allocated`; on CPU it is
+  glibc's `mallinfo2` (bytes in use in the heap plus mmapped blocks). It counts what no Python
+  object points at: DDP's gradient buckets, DeepSpeed's flat buffers and partitions, FSDP's
+  unsharded copies. Workers run with MALLOC_MMAP_THRESHOLD_=65536 (see `MALLOC_ENV`), which makes
+  every tensor of 64 KiB or more an mmap of its own that returns to the system when freed, so that
+  neither this count nor the peak resident memory is blurred by memory glibc keeps cached.
+- *Census* (`mem_param_bytes`, `mem_grad_bytes`, `mem_optim_bytes`): the storages behind live
+  tensors that an engine can name (parameters, gradients, optimizer state), each storage once
+  however many views point into it, so a gradient that is a view into DDP's bucket counts the
+  bucket, and a tied weight counts once. It tells where the bytes are; the held count tells how many.
+
+`model_state_theory` gives the textbook bytes per parameter (Rajbhandari et al., ZeRO, 2020).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 import resource
 import sys
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+
+# Environment every worker process starts with (glibc reads it once, at start-up).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
@@ -21,6 +41,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor):
             continue
+        if hasattr(t, "to_local"):  # a DTensor (FSDP2): this rank's shard
+            t = t.to_local()
         s = t.untyped_storage()
         key = s.data_ptr()
         if key in seen or s.nbytes() == 0:
@@ -37,15 +59,67 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor
                 yield v
 
 
-def model_state_census(params: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None,
-                       extra_grads: Iterable[torch.Tensor] = ()) -> dict[str, int]:
-    """{mem_param_bytes, mem_grad_bytes, mem_optim_bytes, mem_model_state_bytes} from live tensors."""
+def model_state_census(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer | None,
+                       extra_grads: Iterable[torch.Tensor] = (), extra_params: Iterable[torch.Tensor] = (),
+                       extra_optim: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+    """{mem_param_bytes, mem_grad_bytes, mem_optim_bytes} from live tensors. `extra_*`: tensors an
+    engine keeps outside the parameters' `.grad` and the optimizer's state (flat buffers, master
+    copies, partitions)."""
     params = list(params)
     seen: set[int] = set()
-    p = storage_bytes(params, seen)
+    p = storage_bytes(params + list(extra_params), seen)
     g = storage_bytes([q.grad for q in params] + list(extra_grads), seen)
-    o = storage_bytes(optimizer_tensors(optimizer), seen) if optimizer is not None else 0
-    return {"mem_param_bytes": p, "mem_grad_bytes": g, "mem_optim_bytes": o, "mem_model_state_bytes": p + g + o}
+    o = storage_bytes(list(optimizer_tensors(optimizer)) if optimizer is not None else [], seen)
+    o += storage_bytes(extra_optim, seen)
+    return {"mem_param_bytes": p, "mem_grad_bytes": g, "mem_optim_bytes": o}
+
+
+# -- what the allocator holds ------------------------------------------------------------------
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):  # not glibc (macOS, musl) or glibc < 2.33
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2() if sys.platform.startswith("linux") else None
+
+
+def heap_in_use_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back (all arenas + mmapped blocks); None off glibc."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
+def allocated_bytes(device: torch.device) -> int | None:
+    """Bytes allocated on `device` right now: CUDA's allocator on GPUs, the C heap on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return heap_in_use_bytes()
+
+
+def available_host_memory() -> int:
+    """Bytes of memory this machine can still give (MemAvailable), or its total where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def peak_bytes(device: torch.device) -> int:
@@ -76,3 +150,49 @@ class SavedTensorCensus:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+def size_text(n: float) -> str:
+    """Bytes for people: 512.0 MiB, 3.2 GiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+# -- theory --------------------------------------------------------------------------------------
+
+def optimizer_state_bytes(train) -> int:
+    """fp32 bytes of optimizer state per parameter: AdamW's two moments, SGD's momentum buffer."""
+    if train.optimizer == "adamw":
+        return 8
+    return 4 if train.momentum else 0
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Which model states a strategy divides among its data-parallel ranks."""
+
+    params: bool = False
+    grads: bool = False
+    optim: bool = False
+    # Parameters and gradients in 16 bits with an fp32 master copy in the optimizer (mixed-precision
+    # ZeRO); False where 16-bit is only used for compute (autocast, FSDP's MixedPrecisionPolicy).
+    low_precision_states: bool = False
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Model-state bytes of one worker, predicted."""
+
+    theory: float  # the textbook figure for the strategy's sharding
+    expected: float  # what the implementation holds: the theory plus its own buffers and copies
+    offloaded: float = 0.0  # the part of `expected` kept in host memory instead of the device
+
+
+def model_state_theory(sharding: Sharding, dp: int, precision: str, optim_bytes: int,
+                       master_copy_in_fp32: bool = False) -> float:
+    """Theoretical model-state bytes per parameter on one of `dp` data-parallel ranks.
+
+    fp32: parameters 4 + gradients 4 + optimizer state K; with 16-bit states: 2 + 2 + (4 + K), the
+    4 being the fp32 master weights. `master_copy_in_fp32`: an implementation that keeps a separate
+    fp32 master copy even when the model itself is fp32 (DeepSpeed) -- not in the textbook figure."""
+    low = sharding.low_precision_states and precision != "fp32"
+    p = g = 2 if low else 4
+    o = optim_bytes + (4 if low or master_copy_in_fp32 else 0)
+    return (p / dp if sharding.params else p) + (g / dp if sharding.grads else g) + (o / dp if sharding.optim else o)

@@ -22,6 +22,7 @@ COLUMNS = [
     "throughput", "step_time_s", "eval_time_s", "checkpoint_time_s", "target_met", "timestamp", "started_at",
     "resumed_from_step",
     "mem_peak_bytes", "mem_model_state_bytes", "mem_param_bytes", "mem_grad_bytes", "mem_optim_bytes",
+    "mem_model_state_census_bytes", "mem_model_state_theory_bytes",
 ]
 MEMORY = [c for c in COLUMNS if c.startswith("mem_")]
 
@@ -94,6 +95,7 @@ def progress_line(r: dict) -> str:
             f"wall {r['wall_time_s']:7.1f}s  {train}{_metric_text(r)}  "
             f"{r['throughput'] or 0:8.1f} samples/s  mem/worker {mib(r['mem_peak_bytes'])} MiB peak, "
             f"{mib(r['mem_model_state_bytes'])} MiB model states"
+            + (f" (theory {mib(r['mem_model_state_theory_bytes'])})" if r.get("mem_model_state_theory_bytes") else "")
             + ("  [target met]" if r.get("target_met") else ""))
 
 

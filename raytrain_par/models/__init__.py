@@ -32,6 +32,18 @@ def gpt2_sizes(spec) -> dict[str, int]:
     return sizes
 
 
+def build_on_meta(spec, info) -> tuple[nn.Module, Task]:
+    """The model with shapes but no storage (torch's meta device): counts parameters and sizes
+    activations before anything runs, for any model size, in milliseconds."""
+    with torch.device("meta"):
+        return build(spec, info, seed=0)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters of a model, a tied weight once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def build(spec, info, seed: int) -> tuple[nn.Module, Task]:
     """The model (on CPU, in fp32, identical on every rank for the same seed) and its task."""
     torch.manual_seed(seed)

@@ -10,6 +10,10 @@ from .base import DistContext, Engine
 REGISTRY: dict[str, str] = {
     "ddp": "raytrain_par.strategies.ddp:DDPEngine",
     "megatron": "raytrain_par.strategies.megatron:MegatronEngine",
+    "zero-1": "raytrain_par.strategies.zero:Zero1Engine",
+    "zero-2": "raytrain_par.strategies.zero:Zero2Engine",
+    "zero-3": "raytrain_par.strategies.zero:Zero3Engine",
+    "fsdp": "raytrain_par.strategies.fsdp:FSDPEngine",
 }
 NAMES = tuple(REGISTRY)
 

@@ -11,6 +11,8 @@ torch.multiprocessing group, given an initialised default process group (or none
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -21,7 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..metrics.memory import model_state_census, peak_bytes
+from ..metrics.memory import (Sharding, StateBytes, allocated_bytes, model_state_census, model_state_theory,
+                              optimizer_state_bytes, peak_bytes, storage_bytes)
+from ..models import parameter_count
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -102,12 +108,28 @@ class Engine(ABC):
 
     #: options dataclass of the strategy (the keys allowed under `strategy:` besides `name`)
     Options: type
+    #: which model states the strategy divides among its data-parallel ranks, for the theory beside
+    #: the measured bytes; None (no theory) unless the engine declares it
+    sharding: Sharding | None = None
 
     def __init__(self, model: nn.Module, task, train, options, ctx: DistContext, total_steps: int):
         self.task, self.train, self.options, self.ctx = task, train, options, ctx
         self.total_steps = total_steps
         self.device = ctx.device
+        if self.device.type == "cuda" and train.precision == "bf16" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"train.precision = 'bf16': {torch.cuda.get_device_name(self.device)} has no bf16 "
+                             "support (it needs compute capability 8.0 or newer); use fp16 or fp32")
+        self.num_params = parameter_count(model)
         self._peak_state: dict[str, int] = {}
+        # What the allocator held before this engine existed, not counting the model it was handed
+        # (whose storages the engine takes over, moves or replaces): model states held later are
+        # measured against it. The first optimizer a process builds imports torch._dynamo (tens of
+        # MB of modules, not model state): import it first.
+        import torch._dynamo  # noqa: F401
+
+        in_use = allocated_bytes(self.device)
+        on_device = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == self.device.type]
+        self._baseline = None if in_use is None else in_use - storage_bytes(on_device)
 
     # -- data-parallel layout: which slice of each global batch this rank reads ------------------
     @property
@@ -135,6 +157,10 @@ class Engine(ABC):
         """One optimizer step on this rank's part of a global batch (stored rows, on the CPU).
         Returns this rank's mean loss, detached."""
 
+    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stored rows -> model inputs on this rank's device."""
+        return self.task.prepare(batch, self.device)
+
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -149,19 +175,56 @@ class Engine(ABC):
         module.eval()
         sums = torch.zeros(3, device=self.device, dtype=torch.float64)
         for batch in batches:
-            sums += self.task.eval_sums(module, self.task.prepare(batch, self.device)).double()
+            with self.autocast():
+                sums += self.task.eval_sums(module, self.prepare(batch)).double()
         module.train()
         sums = self.dp_sum(sums)
         return self.task.summarize(*[float(x) for x in sums])
 
+    def autocast(self):
+        """Mixed precision by autocast (`train.precision` bf16 / fp16), for engines that compute in
+        16 bits from fp32 parameters; a no-op in fp32."""
+        if self.train.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.train.precision])
+
     # -- memory --------------------------------------------------------------------------------
-    def model_state(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state this rank holds right now."""
+    def census(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state behind live tensors this engine can
+        name (engines holding flat buffers or partitions of their own override this)."""
         return model_state_census(self.module.parameters(), self.optimizer)
 
+    def model_state(self) -> dict[str, int]:
+        """Model states this rank holds right now: the allocator's count (see metrics/memory.py),
+        the census of live tensors, and the theory for this strategy and worker count."""
+        out = self.census()
+        census = out["mem_param_bytes"] + out["mem_grad_bytes"] + out["mem_optim_bytes"]
+        in_use = allocated_bytes(self.device)
+        held = in_use - self._baseline if in_use is not None and self._baseline is not None else census
+        out["mem_model_state_bytes"] = held
+        out["mem_model_state_census_bytes"] = census
+        theory = self.model_state_theory_bytes()
+        if theory is not None:
+            out["mem_model_state_theory_bytes"] = theory
+        return out
+
+    def model_state_theory_bytes(self) -> int | None:
+        est = self.model_state_bytes(self.options, self.train, self.dp_size, self.num_params)
+        return None if est is None else int(est.theory)
+
+    @classmethod
+    def model_state_bytes(cls, options, train, dp: int, num_params: int) -> StateBytes | None:
+        """Model-state bytes per worker before anything runs: the textbook figure for this sharding,
+        and what this implementation is expected to hold (engines add their own buffers and copies).
+        None where the engine cannot say."""
+        if cls.sharding is None:
+            return None
+        theory = model_state_theory(cls.sharding, dp, train.precision, optimizer_state_bytes(train)) * num_params
+        return StateBytes(theory, theory)
+
     def note_memory(self) -> None:
-        """Called by train_step after backward and the optimizer step, before gradients are freed:
-        the moment model states are largest."""
+        """Called by train_step right before and right after the optimizer step (before gradients
+        are freed): model states peak at one of the two moments, once the optimizer has its state."""
         now = self.model_state()
         if now["mem_model_state_bytes"] >= self._peak_state.get("mem_model_state_bytes", -1):
             self._peak_state = now
@@ -185,6 +248,64 @@ class Engine(ABC):
         """The plain model's state dict (gathered where it is sharded), on every rank."""
 
 
+def check_host_memory(spec, engine_cls, options, field_: str, error) -> None:
+    """Offloading strategies: the states they move to host memory must fit there. Counts the
+    model's parameters on the meta device (no memory, any size)."""
+    from .. import data, models
+    from ..metrics.memory import available_host_memory, size_text
+
+    model, _ = models.build_on_meta(spec.model, data.shape_of(spec.data))
+    n = models.parameter_count(model)
+    est = engine_cls.model_state_bytes(options, spec.train, spec.data_parallel_size, n)
+    if options.host_memory_gb is not None:
+        per_worker, where = options.host_memory_gb * 2**30, f"strategy.host_memory_gb = {options.host_memory_gb:g}"
+    else:
+        free = available_host_memory()
+        per_worker = free / spec.scaling.num_workers
+        where = f"{size_text(free)} available on this machine for {spec.scaling.num_workers} worker(s)"
+    if est.offloaded > per_worker:
+        error(field_, True, f"the offloaded states of {n / 1e6:.1f}M parameters need {size_text(est.offloaded)} "
+              f"of host memory per worker, more than the {size_text(per_worker)} there is ({where})",
+              "use more workers (the offloaded states are divided among them), a machine with more memory, "
+              "or turn offloading off; set strategy.host_memory_gb if workers run on other machines")
+
+
 def load_tensors(path: Path, device: torch.device):
     """torch.load that never unpickles arbitrary objects."""
     return torch.load(path, map_location=device, weights_only=True)
+
+
+# -- the consolidated model of a checkpoint --------------------------------------------------------
+# Every checkpoint carries the plain model's weights in one safetensors file, whatever the strategy
+# (written from `Engine.full_state_dict()` by rank 0), so that a sharded checkpoint can be exported
+# without the process group that wrote it.
+WEIGHTS_FILE = "model.safetensors"
+
+
+def write_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """A state dict -> safetensors. Entries sharing a storage (tied weights) are written once and
+    listed in the file's metadata, since safetensors refuses shared tensors."""
+    from safetensors.torch import save_file
+
+    kept, aliases, owner = {}, {}, {}
+    for name, t in state.items():
+        t = t.detach().cpu()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key in owner:
+            aliases[name] = owner[key]
+        else:
+            owner[key] = name
+            kept[name] = t.contiguous()
+    save_file(kept, str(path), metadata={"aliases": json.dumps(aliases)})
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    for name, target in aliases.items():
+        state[name] = state[target]
+    return state

@@ -1,7 +1,8 @@
 """Data parallel: PyTorch DistributedDataParallel.
 
 Every rank holds the whole model and optimizer; gradients are averaged with bucketed all-reduces
-overlapping the backward pass. The model is wrapped with torch's DDP directly rather than through
+overlapping the backward pass. Mixed precision (`train.precision` bf16 / fp16) is torch.autocast over
+fp32 parameters, with a gradient scaler for fp16. The model is wrapped with torch's DDP directly rather than through
 `ray.train.torch.prepare_model` (which does the same wrapping) so that this engine also runs under
 torchrun and in plain process groups.
 """
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..metrics.memory import Sharding, StateBytes
 from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
 
 
@@ -39,6 +41,14 @@ class Options:
 
 class DDPEngine(Engine):
     Options = Options
+    sharding = Sharding()  # nothing sharded: every rank holds every model state
+
+    @classmethod
+    def model_state_bytes(cls, options, train, dp, num_params):
+        est = super().model_state_bytes(options, train, dp, num_params)
+        # Without gradient_as_bucket_view the all-reduce buckets are a second copy of the gradients.
+        extra = 0 if options.gradient_as_bucket_view or dp == 1 else 4 * num_params
+        return StateBytes(est.theory, est.expected + extra)
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
         super().__init__(model, task, train, options, ctx, total_steps)
@@ -56,6 +66,8 @@ class DDPEngine(Engine):
             self.module = self.model
         self.optimizer = build_optimizer(self.model, train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train, total_steps))
+        # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
+        self.scaler = torch.amp.GradScaler(self.device.type) if train.precision == "fp16" else None
 
     def train_step(self, batch):
         micro = split_batch(batch, self.train.gradient_accumulation_steps)
@@ -65,12 +77,20 @@ class DDPEngine(Engine):
             # Only the last micro-batch all-reduces; the others accumulate locally.
             sync = contextlib.nullcontext() if last or not self.ctx.distributed else self.module.no_sync()
             with sync:
-                loss = self.task.loss(self.module, self.task.prepare(mb, self.device)) / len(micro)
-                loss.backward()
+                with self.autocast():
+                    loss = self.task.loss(self.module, self.prepare(mb)) / len(micro)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
         if self.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
-        self.optimizer.step()
+        self.note_memory()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.note_memory()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -82,14 +102,19 @@ class DDPEngine(Engine):
     # Replicated state: rank 0 writes it, every rank reads the same file.
     def save(self, directory: Path) -> None:
         if self.ctx.rank == 0:
-            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict()}, directory / "ddp.pt")
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "scheduler": self.scheduler.state_dict()}
+            if self.scaler:
+                state["scaler"] = self.scaler.state_dict()
+            torch.save(state, directory / "ddp.pt")
 
     def load(self, directory: Path) -> None:
         state = load_tensors(directory / "ddp.pt", self.device)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
 
     def full_state_dict(self):
         return self.model.state_dict()

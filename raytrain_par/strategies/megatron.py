@@ -88,6 +88,9 @@ class Options:
         if spec.train.optimizer == "lamb" and t > 1:
             error("train.optimizer", "lamb", "LAMB scales each tensor's step by the norm of the whole tensor, and "
                   "tensor parallel holds slices of them", "use adamw or sgd with megatron, or tensor_parallel: 1")
+        if spec.train.precision == "fp16":
+            error("train.precision", "fp16", "megatron computes in 16 bits by autocast and has no loss scaler",
+                  "use bf16 (autocast, no scaling needed) or fp32")
         n = spec.scaling.num_workers
         if n % t:
             error("scaling.num_workers", n, f"not a multiple of tensor_parallel {t} (workers = tensor x data parallel)",
@@ -121,6 +124,7 @@ class TensorParallelGPT2(nn.Module):
         """This rank's logits [tokens, vocab/T]."""
         hidden = self.transformer(input_ids=input_ids, use_cache=False).last_hidden_state
         logits = torch.mm(tp_ops.copy_to(hidden.flatten(0, 1), self.tp), self.transformer.wte.weight.t())
+        logits = logits.float()  # the softmax in fp32 also under 16-bit autocast
         return logits.masked_fill(self.padding, float("-inf")) if self.padded else logits
 
     def token_losses(self, input_ids, labels) -> torch.Tensor:
@@ -214,7 +218,6 @@ class MegatronEngine(Engine):
     Options = Options
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
-        super().__init__(model, task, train, options, ctx, total_steps)
         t = options.tensor_parallel
         if ctx.world_size % t:
             raise ValueError(f"world size {ctx.world_size} is not a multiple of tensor_parallel {t}")
@@ -223,8 +226,10 @@ class MegatronEngine(Engine):
         if ctx.distributed:
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh(self.device.type, (self._dp_size, t), mesh_dim_names=("dp", "tp"))
+            mesh = init_device_mesh(ctx.device.type, (self._dp_size, t), mesh_dim_names=("dp", "tp"))
             tp_group, self._dp_group = mesh.get_group("tp"), mesh.get_group("dp")
+        # After the process groups: their communication buffers are not model state.
+        super().__init__(model, task, train, options, ctx, total_steps)
         self.tp = TPGroup(tp_group, t, ctx.rank % t)
         self.vocab_size = model.config.vocab_size
         self.rng = tp_ops.ParallelRNG(train.seed + TP_RNG_OFFSET + self.tp.rank, self.device)
@@ -271,13 +276,15 @@ class MegatronEngine(Engine):
             with sync:
                 with census or contextlib.nullcontext():
                     prepared = self.task.prepare(mb, self.device)
-                    loss = self.module(prepared["input_ids"], prepared["labels"]) / len(micro)
+                    with self.autocast():
+                        loss = self.module(prepared["input_ids"], prepared["labels"]) / len(micro)
                 if census is not None:
                     self.activation_bytes = census.bytes
                 loss.backward()
             total += loss.detach()
         if self.train.grad_clip:
             self.clip_grad_norm(self.train.grad_clip)
+        self.note_memory()
         self.optimizer.step()
         self.note_memory()
         self.optimizer.zero_grad(set_to_none=True)
@@ -304,7 +311,8 @@ class MegatronEngine(Engine):
         sums = torch.zeros(3, device=self.device, dtype=torch.float64)
         for batch in batches:
             prepared = self.task.prepare(batch, self.device)
-            sums += self.model.eval_sums(prepared["input_ids"], prepared["labels"]).double()
+            with self.autocast():
+                sums += self.model.eval_sums(prepared["input_ids"], prepared["labels"]).double()
         self.model.train()
         sums = self.dp_sum(sums)
         return self.task.summarize(*[float(x) for x in sums])

@@ -1,0 +1,206 @@
+"""Model-state memory per worker of every data-parallel strategy, measured, beside the theory.
+
+For each precision, worker count and strategy (by default the grid in the sweep of
+experiments/zero-memory.yaml: a ~26M-parameter GPT-2, ddp / zero-1 / zero-2 / zero-3 / fsdp,
+1, 2 and 4 workers, fp32 and bf16), a fresh gloo process group trains a few steps and reports
+what each worker holds:
+
+- measured: model-state bytes the allocator holds (see raytrain_par/metrics/memory.py: glibc's
+  mallinfo2 with MALLOC_MMAP_THRESHOLD_=65536 on CPU, torch.cuda statistics on GPU), the largest
+  worker, per parameter;
+- theory: bytes per parameter with Adam(W) on N workers -- fp32: DDP 16, ZeRO-1 8 + 8/N,
+  ZeRO-2 4 + 12/N, ZeRO-3 and FSDP 16/N; mixed precision: DDP 16, ZeRO-1 4 + 12/N,
+  ZeRO-2 2 + 14/N, ZeRO-3 and FSDP 16/N;
+- by design: what the implementation is documented to hold beyond the theory (DeepSpeed keeps an
+  fp32 master copy of its partition also when training in fp32, +4/N; its gradient buckets);
+- the reduction against DDP on as many workers, and the step time against DDP's.
+
+    python benchmarks/memory.py                          # the whole grid
+    python benchmarks/memory.py --workers 4 --precisions bf16 --strategies ddp,zero-3,fsdp
+    python benchmarks/memory.py --set data.seq_len=32 --set train.global_batch_size=4   # less compute
+
+Model states do not depend on the batch, so `--set` can shrink it where compute is scarce (CPUs
+without native bf16 run bf16 matrix products an order of magnitude slower than fp32).
+
+Prints a Markdown table and writes the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from raytrain_par import config, data, models, strategies  # noqa: E402
+from raytrain_par.data.loader import MemoryLoader  # noqa: E402
+from raytrain_par.data.shards import DatasetInfo, read_split  # noqa: E402
+from raytrain_par.metrics.memory import MALLOC_ENV  # noqa: E402
+from raytrain_par.strategies import DistContext  # noqa: E402
+
+NOTES = {
+    ("zero-1", "fp32"): "DeepSpeed keeps an fp32 master copy of its partition (+4/N)",
+    ("zero-2", "fp32"): "DeepSpeed keeps an fp32 master copy of its partition (+4/N)",
+    ("zero-3", "fp32"): "DeepSpeed keeps an fp32 master copy of its partition (+4/N)",
+}
+
+
+def _worker(rank: int, world: int, port: int, spec_dict: dict, info_dict: dict, steps: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        spec, info = config.from_dict(spec_dict), DatasetInfo.from_json(info_dict)
+        arrays = read_split(info, info.train_path)  # before the engine: data is not model state
+        model, task = models.build(spec.model, info, spec.train.seed)
+        engine = strategies.build_engine(spec.strategy, model, task, spec.train, DistContext.current(), steps)
+        loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
+        times = []
+        for _, batch in zip(range(steps), loader.epoch(0)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            engine.train_step(batch)
+            times.append(time.perf_counter() - t0)
+        out = {"memory": engine.memory(), "num_params": engine.num_params,
+               "step_time_s": sum(times[1:]) / max(1, len(times) - 1)}  # the first step builds state
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - report any failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure(spec_dict: dict, info: dict, world: int, steps: int) -> list[dict]:
+    """Train `steps` steps on `world` fresh processes; returns each rank's report."""
+    ctx = mp.get_context("spawn")
+    os.environ.update(MALLOC_ENV)  # read by each child's C library at start-up
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    queue = ctx.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, spec_dict, info, steps, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    for _ in range(world):
+        rank, status, value = queue.get()
+        if status == "ok":
+            results[rank] = torch.load(io.BytesIO(value), weights_only=True)
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+    for p in procs:
+        p.join()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experiment", default=str(REPO / "experiments" / "zero-memory.yaml"))
+    p.add_argument("--strategies", help="default: the experiment's sweep")
+    p.add_argument("--workers", help="e.g. 1,2,4 (default: the experiment's sweep)")
+    p.add_argument("--precisions", help="fp32,bf16 (default: the experiment's sweep)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the experiment, as `raytrain-par run --set`")
+    p.add_argument("--steps", type=int, default=3, help="steps per measurement (>= 2: optimizer state exists "
+                   "from the second on)")
+    p.add_argument("--out", default=str(REPO / ".bench" / "memory.json"))
+    args = p.parse_args(argv)
+
+    spec = config.load_experiment(args.experiment, args.overrides)
+    sweep = spec.sweep or {}
+
+    def pick(option, key, default):
+        return option.split(",") if option else [str(v) for v in sweep.get(key, default)]
+
+    names = pick(args.strategies, "strategy.name", [spec.strategy.name])
+    workers = [int(w) for w in pick(args.workers, "scaling.num_workers", [spec.scaling.num_workers])]
+    precisions = pick(args.precisions, "train.precision", [spec.train.precision])
+    info = data.prepare(spec.data, spec.data.cache_dir).to_json()
+
+    rows = []
+    for precision in precisions:
+        for n in workers:
+            for name in names:
+                raw = spec.to_dict()
+                raw.update(sweep=None, strategy={"name": name})
+                raw["scaling"]["num_workers"] = n
+                raw["train"]["precision"] = precision
+                s = config.parse(raw)
+                t0 = time.perf_counter()
+                reports = measure(s.to_dict(), info, n, args.steps)
+                worst = max(reports, key=lambda r: r["memory"]["mem_model_state_bytes"])
+                mem, params = worst["memory"], worst["num_params"]
+                est = strategies.engine_class(name).model_state_bytes(s.strategy.options, s.train, n, params)
+                row = {
+                    "strategy": name, "workers": n, "precision": precision, "num_params": params,
+                    "measured_bytes": mem["mem_model_state_bytes"], "census_bytes": mem["mem_model_state_census_bytes"],
+                    "param_bytes": mem["mem_param_bytes"], "grad_bytes": mem["mem_grad_bytes"],
+                    "optim_bytes": mem["mem_optim_bytes"], "peak_bytes": mem["mem_peak_bytes"],
+                    "measured_per_param": mem["mem_model_state_bytes"] / params,
+                    "theory_per_param": est.theory / params, "by_design_per_param": est.expected / params,
+                    "step_time_s": max(r["step_time_s"] for r in reports), "note": NOTES.get((name, precision), ""),
+                }
+                rows.append(row)
+                print(f"  {precision} {name} x{n}: {row['measured_per_param']:.2f} B/param measured, "
+                      f"{row['theory_per_param']:.2f} theory, step {row['step_time_s']:.2f} s "
+                      f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    for row in rows:
+        ddp = next((r for r in rows if r["strategy"] == "ddp" and r["workers"] == row["workers"]
+                    and r["precision"] == row["precision"]), None)
+        row["vs_ddp"] = row["measured_bytes"] / ddp["measured_bytes"] if ddp else None
+        row["step_time_vs_ddp"] = row["step_time_s"] / ddp["step_time_s"] if ddp else None
+        # within 10% of the theory, or of what the implementation keeps by design
+        row["meets_target"] = (abs(row["measured_per_param"] / row["theory_per_param"] - 1) <= 0.10
+                               or (row["note"] != "" and abs(row["measured_per_param"] / row["by_design_per_param"] - 1) <= 0.10))
+
+    print(table(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"experiment": spec.to_dict(), "machine": machine(), "rows": rows}, indent=1))
+    print(f"\n{len(rows)} rows in {out}")
+    return 0
+
+
+def machine() -> dict:
+    import platform
+
+    return {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def table(rows: list[dict]) -> str:
+    head = ["precision", "strategy", "workers", "measured B/param", "theory", "by design", "measured / theory",
+            "vs DDP", "step time vs DDP", "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["precision"], r["strategy"], str(r["workers"]), f"{r['measured_per_param']:.2f}",
+                 f"{r['theory_per_param']:.2f}", f"{r['by_design_per_param']:.2f}",
+                 f"{r['measured_per_param'] / r['theory_per_param']:.2f}",
+                 "-" if r["vs_ddp"] is None else f"{r['vs_ddp']:.2f}x",
+                 "-" if r["step_time_vs_ddp"] is None else f"{r['step_time_vs_ddp']:.2f}x", r["note"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

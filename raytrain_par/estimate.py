@@ -1,0 +1,141 @@
+"""Per-worker memory predicted before anything runs (`raytrain-par estimate`).
+
+For each strategy and worker count: the model's parameters (counted on torch's meta device, so any
+size costs milliseconds), its model-state bytes per worker -- the textbook figure and what the
+implementation is expected to hold (DeepSpeed's fp32 master copy, buckets; see each engine's
+`model_state_bytes`) -- and the activations one micro-batch keeps for the backward pass, found by
+running the forward pass on fake tensors and adding up what autograd saves. Sharded strategies
+(zero-3, fsdp) also hold whole parameters of the unit being computed and the one prefetched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from . import config, data, models, strategies
+from .errors import ConfigError, UserError
+from .metrics.memory import size_text
+from .strategies.base import DTYPES
+
+UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+         "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '80 GB', '512MiB' -> bytes (GB read as GiB, as GPU makers count)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in UNITS:
+        raise UserError(f"--device-memory {text!r}: not a size.\n  fix: write e.g. 80GiB, 40GB or 16384MiB")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+@dataclass
+class Row:
+    strategy: str
+    workers: int
+    params: int
+    theory: float  # model-state bytes per worker, textbook
+    expected: float  # model-state bytes per worker this implementation holds
+    offloaded: float  # of which in host memory
+    activations: float  # saved for the backward pass of one micro-batch
+    gathered: float  # whole parameters of the units being computed (zero-3, fsdp)
+    note: str = ""
+
+    @property
+    def device_bytes(self) -> float:
+        return self.expected - self.offloaded + self.activations + self.gathered
+
+
+def activation_bytes(model_spec, info, rows: int, precision: str) -> int:
+    """Bytes autograd saves for the backward pass of `rows` rows: the model's forward pass on fake
+    tensors (shapes and dtypes, no memory). Fake CPU tensors take the same attention kernels as real
+    ones (fused scaled-dot-product attention keeps no seq x seq matrices), unlike the meta device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    saved: dict[int, int] = {}
+    with FakeTensorMode():
+        model, task = models.build(model_spec, info, seed=0)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s._cdata not in params:
+                saved[s._cdata] = s.nbytes()
+            return t
+
+        if info.kind == "text":
+            batch = {"tokens": torch.zeros(rows, info.seq_len + 1, dtype=torch.int32)}
+        else:
+            batch = {"image": torch.zeros(rows, *info.image_shape, dtype=torch.uint8),
+                     "label": torch.zeros(rows, dtype=torch.int64)}
+        # 16-bit compute, as autocast (ddp) or 16-bit parameters (zero-N, fsdp) give
+        mixed = torch.autocast("cpu", dtype=DTYPES[precision]) if precision != "fp32" else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mixed:
+            task.loss(model, task.prepare(batch, torch.device("cpu")))
+    return sum(saved.values())
+
+
+def largest_unit_bytes(model: torch.nn.Module, precision: str) -> int:
+    from .strategies.fsdp import shard_units
+
+    width = 4 if precision == "fp32" else 2
+    sizes = [sum(p.numel() for p in unit.parameters()) for unit in shard_units(model)] or [0]
+    return max(sizes) * width
+
+
+def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterable[int]) -> list[Row]:
+    info = data.shape_of(spec.data)
+    model, _ = models.build_on_meta(spec.model, info)
+    n = models.parameter_count(model)
+    unit = largest_unit_bytes(model, spec.train.precision)
+    act_cache: dict[int, int] = {}
+    rows = []
+    for name in names:
+        for w in workers:
+            raw = spec.to_dict()
+            raw["sweep"] = None
+            raw["scaling"]["num_workers"] = w
+            if name != spec.strategy.name:
+                raw["strategy"] = {"name": name}
+            try:
+                s = config.parse(raw)
+            except ConfigError as e:
+                rows.append(Row(name, w, n, 0, 0, 0, 0, 0, note=f"not possible: {e.field} ({e.problem})"))
+                continue
+            cls = strategies.engine_class(name)
+            est = cls.model_state_bytes(s.strategy.options, s.train, s.data_parallel_size, n)
+            if est is None:
+                rows.append(Row(name, w, n, 0, 0, 0, 0, 0, note="this strategy gives no estimate"))
+                continue
+            micro = s.per_worker_batch // s.train.gradient_accumulation_steps
+            if micro not in act_cache:
+                act_cache[micro] = activation_bytes(spec.model, info, micro, s.train.precision)
+            gathered = 2 * unit if name in ("zero-3", "fsdp") and s.data_parallel_size > 1 else 0
+            rows.append(Row(name, w, n, est.theory, est.expected, est.offloaded, act_cache[micro], gathered))
+    return rows
+
+
+def table(rows: list[Row], device_memory: int | None) -> str:
+    """Model states ("theory": the textbook bytes; "expected": what the implementation holds), the part
+    of them in host memory (offload), activations, gathered whole units, and their device total."""
+    head = ["strategy", "workers", "states theory", "states expected", "in host", "activations", "gathered",
+            "per worker", "B/param", "fits"]
+    out, notes = [], []
+    for r in rows:
+        if r.note:
+            notes.append(f"{r.strategy} on {r.workers} worker(s): {r.note}")
+            continue
+        fits = "-" if device_memory is None else ("yes" if r.device_bytes <= device_memory else "NO")
+        out.append([r.strategy, str(r.workers), size_text(r.theory), size_text(r.expected),
+                    size_text(r.offloaded) if r.offloaded else "-", size_text(r.activations),
+                    size_text(r.gathered) if r.gathered else "-", size_text(r.device_bytes),
+                    f"{r.expected / r.params:.2f}", fits])
+    widths = [max(len(h), *(len(row[i]) for row in out)) if out else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in out]
+    return "\n".join(lines + notes)

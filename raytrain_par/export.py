@@ -1,0 +1,68 @@
+"""`raytrain-par export RUN_DIR --out DIR`: the plain model of a run's latest checkpoint.
+
+Every checkpoint holds, beside each rank's shards, the gathered weights of the plain model
+(`model.safetensors`, written from `Engine.full_state_dict()`) and the experiment it belongs to
+(`loop.json`). Export rebuilds that experiment's model -- the same for every strategy -- loads the
+weights into it (every key must match) and writes it in the format its users expect:
+transformers' `save_pretrained` directory for GPT-2 (with the run's tokenizer), a safetensors file
+and a JSON description for VGG.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from . import config, data, models
+from .data.shards import DatasetInfo
+from .errors import UserError
+from .strategies.base import WEIGHTS_FILE, read_weights
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint directory of `run_dir` (a results directory, or a checkpoint itself) that
+    reached the furthest step."""
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such directory.\n  fix: give a results directory, e.g. results/<experiment>")
+    found = []
+    for loop in run_dir.rglob("loop.json"):
+        if (loop.parent / WEIGHTS_FILE).exists():
+            step = json.loads(loop.read_text())["state"]["step"]
+            found.append((step, loop.stat().st_mtime, loop.parent))
+    if not found:
+        raise UserError(f"{run_dir}: holds no checkpoint with model weights ({WEIGHTS_FILE} beside loop.json).\n"
+                        "  fix: give the results directory of a run that checkpointed "
+                        "(train.checkpoint_every_evals >= 1)")
+    return max(found)[2]
+
+
+def export(run_dir: str | Path, out: str | Path, log=print) -> Path:
+    checkpoint = latest_checkpoint(Path(run_dir))
+    meta = json.loads((checkpoint / "loop.json").read_text())
+    spec = config.from_dict(meta["experiment"])
+    info = DatasetInfo.from_json(meta["data"]) if "data" in meta else data.shape_of(spec.data)
+    model, _ = models.build(spec.model, info, spec.train.seed)
+    missing, unexpected = model.load_state_dict(read_weights(checkpoint / WEIGHTS_FILE), strict=False)
+    if missing or unexpected:
+        raise UserError(f"{checkpoint / WEIGHTS_FILE} does not fit {spec.model.name}: missing {missing[:5]}, "
+                        f"unexpected {unexpected[:5]}.\n  fix: export with the code version that wrote the run")
+    out = Path(out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    if spec.model.name in models.GPT2_NAMES:
+        model.save_pretrained(out)
+        if info.tokenizer_path and Path(info.tokenizer_path).exists():
+            shutil.copy2(info.tokenizer_path, out / "tokenizer.json")
+    else:
+        from safetensors.torch import save_model
+
+        save_model(model, str(out / "model.safetensors"))
+        description = {"model": spec.to_dict()["model"], "image_shape": info.image_shape,
+                       "num_classes": info.num_classes, "mean": info.mean, "std": info.std,
+                       "build": "raytrain_par.models.vgg.VGG(name, channels, num_classes, image_size, width, dropout)"}
+        (out / "config.json").write_text(json.dumps(description, indent=1))
+    step = meta["state"]["step"]
+    log(f"exported {spec.model.name} ({models.parameter_count(model) / 1e6:.1f}M parameters) from {checkpoint} "
+        f"(step {step}, strategy {spec.strategy.name}) to {out}")
+    return out

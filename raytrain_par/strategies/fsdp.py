@@ -1,0 +1,176 @@
+"""Fully sharded data parallel: PyTorch FSDP2 (`fully_shard`), the PyTorch-native ZeRO-3.
+
+Each rank keeps 1/N of every parameter, gradient and optimizer state (as DTensors sharded on dim 0).
+A unit -- each transformer block, or each layer that owns parameters in models without blocks -- is
+all-gathered just before its forward and backward and freed after; gradients are reduce-scattered
+as the backward pass leaves each unit. Units are the model's `_no_split_modules` where it declares
+them (transformers' convention, the same units accelerate wraps), then the root.
+
+Mixed precision is a MixedPrecisionPolicy: parameters stay fp32 shards (the master weights), the
+all-gathered copies used for compute are bf16, gradients are reduced in fp32.
+
+Checkpoints: every rank writes its own shards (parameters and optimizer state as plain local
+tensors) and reads them back into the same layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..metrics.memory import Sharding, StateBytes, optimizer_state_bytes
+from .base import DTYPES, DistContext, Engine, build_optimizer, check_host_memory, load_tensors, lr_factor, split_batch
+
+
+@dataclass
+class Options:
+    """`strategy:` keys for fsdp."""
+
+    # Free each unit's gathered parameters after its forward (ZeRO-3); false keeps them until its
+    # backward: fewer all-gathers, whole parameters held for the duration of a step.
+    reshard_after_forward: bool = True
+    # CPUOffloadPolicy: parameter shards, gradients and optimizer state in host memory and the
+    # optimizer step on the CPU (GPU workers; on CPU workers they are in host memory already).
+    offload: bool = False
+    # Host memory one worker may fill with offloaded states; default: this machine's available
+    # memory shared by the workers (set it when workers run on other machines).
+    host_memory_gb: Optional[float] = None
+
+    def validate(self, spec, error) -> None:
+        if spec.train.precision == "fp16":
+            error("train.precision", "fp16", "fsdp trains in fp32 or bf16 here (fp16 would need a sharded "
+                  "gradient scaler)", "use train.precision: bf16")
+        if self.offload and not spec.scaling.use_gpu:
+            error("strategy.offload", True, "CPU workers keep everything in host memory already",
+                  "remove it, or set scaling.use_gpu: true")
+        if self.host_memory_gb is not None and self.host_memory_gb <= 0:
+            error("strategy.host_memory_gb", self.host_memory_gb, "must be > 0", "use e.g. 64, or remove it")
+        if self.offload:
+            check_host_memory(spec, FSDPEngine, self, "strategy.offload", error)
+
+    @staticmethod
+    def data_parallel_size(num_workers: int) -> int:
+        return num_workers
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that become FSDP units (before the root): the model's declared blocks
+    (`_no_split_modules`), else every module that owns parameters directly."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    if blocks:
+        return [m for m in model.modules() if type(m).__name__ in blocks]
+    return [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))]
+
+
+class FSDPEngine(Engine):
+    Options = Options
+    sharding = Sharding(params=True, grads=True, optim=True)  # fp32 shards, also under mixed precision
+
+    @classmethod
+    def model_state_bytes(cls, options, train, dp, num_params):
+        est = super().model_state_bytes(options, train, dp, num_params)
+        return StateBytes(est.theory, est.expected,
+                          est.expected if options.offload else 0.0)
+
+    def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
+        # imported before the base class takes its memory baseline (imports are not model state)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        super().__init__(model, task, train, options, ctx, total_steps)
+
+        self.model = model.to(self.device)
+        self.sharded = ctx.distributed
+        if self.sharded:
+            mesh = init_device_mesh(self.device.type, (ctx.world_size,))
+            mp = (MixedPrecisionPolicy(param_dtype=DTYPES[train.precision], reduce_dtype=torch.float32)
+                  if train.precision != "fp32" else MixedPrecisionPolicy())
+            kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if options.offload else OffloadPolicy())
+            for unit in shard_units(self.model):
+                fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **kwargs)
+            fully_shard(self.model, **kwargs)
+        self.module = self.model
+        self.optimizer = build_optimizer(self.model, train)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train, total_steps))
+
+    def autocast(self):
+        # Sharded: the MixedPrecisionPolicy casts. One process (nothing to shard): plain autocast.
+        return contextlib.nullcontext() if self.sharded else super().autocast()
+
+    def train_step(self, batch):
+        micro = split_batch(batch, self.train.gradient_accumulation_steps)
+        total = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro):
+            if self.sharded:  # reduce-scatter on the last micro-batch only; the others accumulate
+                self.module.set_requires_gradient_sync(i == len(micro) - 1)
+            with self.autocast():
+                loss = self.task.loss(self.module, self.prepare(mb)) / len(micro)
+            loss.backward()
+            total += loss.detach()
+        if self.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.train.grad_clip)
+        self.note_memory()
+        self.optimizer.step()
+        self.note_memory()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total
+
+    # -- checkpoints: this rank's shards as plain tensors ----------------------------------------
+    def _params(self) -> list[nn.Parameter]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def save(self, directory: Path) -> None:
+        optim = self.optimizer.state_dict()
+        optim["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optim["state"].items()}
+        state = {"params": {n: _local(p.detach()) for n, p in self.module.named_parameters()},
+                 "optimizer": optim, "scheduler": self.scheduler.state_dict(), "world_size": self.ctx.world_size}
+        torch.save(state, directory / f"fsdp-rank{self.ctx.rank}.pt")
+
+    def load(self, directory: Path) -> None:
+        path = directory / f"fsdp-rank{self.ctx.rank}.pt"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: the checkpoint holds no shard for rank {self.ctx.rank}; "
+                                    "resume with the number of workers that wrote it")
+        state = load_tensors(path, self.device)
+        if state["world_size"] != self.ctx.world_size:
+            raise ValueError(f"{path}: written by {state['world_size']} workers, resuming with "
+                             f"{self.ctx.world_size}; resume with the same number of workers")
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                _local(p).copy_(state["params"][name])
+        params = self._params()
+        optim = state["optimizer"]
+        optim["state"] = {i: {k: _like(v, params[int(i)]) for k, v in s.items()} for i, s in optim["state"].items()}
+        self.optimizer.load_state_dict(optim)
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_state_dict(self):
+        """Whole tensors on every rank (an all-gather per parameter: every rank calls it)."""
+        full: dict[int, torch.Tensor] = {}
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) not in full:
+                full[id(t)] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+            out[name] = full[id(t)]
+        return out
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _like(value: torch.Tensor, param: nn.Parameter):
+    """A saved local optimizer-state tensor -> a DTensor laid out as its parameter (scalars stay)."""
+    if hasattr(param, "to_local") and isinstance(value, torch.Tensor) and value.dim() > 0:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value

@@ -1,0 +1,439 @@
+"""ZeRO stages 1, 2 and 3 through DeepSpeed (Rajbhandari et al., "ZeRO: Memory Optimizations Toward
+Training Trillion Parameter Models", 2020).
+
+Each data-parallel rank keeps 1/N of the optimizer state (stage 1), also of the gradients (stage 2),
+also of the parameters (stage 3). `deepspeed.initialize` runs on the process group that already
+exists (Ray Train's, torchrun's or a test's); the experiment's own optimizer and learning-rate
+schedule are handed to it, so every stage trains the same numbers as DDP.
+
+The DeepSpeed config is derived from the experiment -- batch sizes, gradient accumulation,
+clipping (set explicitly: DeepSpeed's default of 1.0 would clip where the experiment does not),
+bf16 / fp16, bucket sizes sized from the model (the defaults, 5e8 elements, are fp32 buffers of
+2 GB) -- and `strategy.deepspeed` overrides any key of it.
+
+Checkpoints: every rank writes its own partition (DeepSpeed's optimizer state dict: fp32 master
+weights and optimizer state), rank 0 the replicated parts, all read back with
+`torch.load(weights_only=True)` (DeepSpeed's own `load_checkpoint` unpickles arbitrary objects).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..metrics.memory import Sharding, StateBytes, model_state_census, optimizer_state_bytes, optimizer_tensors
+from .base import (DTYPES, DistContext, Engine, build_optimizer, check_host_memory, load_tensors, lr_factor,
+                   split_batch)
+
+
+@dataclass
+class Options:
+    """`strategy:` keys for zero-1, zero-2 and zero-3."""
+
+    # ZeRO-Offload: fp32 master weights and optimizer state live in host memory and the optimizer
+    # steps on the CPU (with the experiment's own optimizer).
+    offload_optimizer: bool = False
+    # zero-3 only: parameters live in host memory too, fetched to the device layer by layer.
+    offload_param: bool = False
+    # Host memory one worker may fill with offloaded states; default: this machine's available
+    # memory shared by the workers (set it when workers run on other machines).
+    host_memory_gb: Optional[float] = None
+    # Any DeepSpeed config key, overriding the derived config (e.g. {zero_optimization:
+    # {reduce_bucket_size: 2.0e+7}}); DeepSpeed's own config classes check it.
+    deepspeed: dict = field(default_factory=dict)
+
+    def validate(self, spec, error) -> None:
+        stage = STAGES[spec.strategy.name]
+        if self.offload_param and stage != 3:
+            error("strategy.offload_param", True, f"ZeRO stage {stage} keeps whole parameters on every worker, "
+                  "so there is nothing to offload", "use strategy zero-3, or offload_optimizer only")
+        if self.host_memory_gb is not None and self.host_memory_gb <= 0:
+            error("strategy.host_memory_gb", self.host_memory_gb, "must be > 0", "use e.g. 64, or remove it")
+        check_deepspeed_keys(self.deepspeed, stage, error)
+        if self.offload_optimizer or self.offload_param:
+            self._check_host_memory(spec, error)
+
+    def _check_host_memory(self, spec, error) -> None:
+        field_ = "strategy.offload_param" if self.offload_param else "strategy.offload_optimizer"
+        check_host_memory(spec, ZeroEngine.for_stage(STAGES[spec.strategy.name]), self, field_, error)
+
+    @staticmethod
+    def data_parallel_size(num_workers: int) -> int:
+        return num_workers
+
+
+STAGES = {"zero-1": 1, "zero-2": 2, "zero-3": 3}
+# Modules `deepspeed.initialize` imports on first use (its optimizer check pulls in a
+# torch.compile'd optimizer, hence torch._inductor): imported before memory is measured.
+LAZY_IMPORTS = ("deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer")
+
+
+# -- the DeepSpeed config ------------------------------------------------------------------------
+
+def bucket_elements(num_params: int) -> int:
+    """Elements of one communication bucket: 1/32 of the model (a few percent of its states, so
+    that buffers do not swamp what ZeRO saves), at least 1M, at most DeepSpeed's default 5e8.
+    Smaller buckets mean more, smaller collectives; larger ones, more memory."""
+    return int(min(5e8, max(1 << 20, num_params // 32)))
+
+
+def deepspeed_config(stage: int, options: Options, train, global_batch: int, dp: int, num_params: int,
+                     device_type: str) -> dict:
+    """The DeepSpeed config of an experiment (before `options.deepspeed` is merged over it)."""
+    micro = global_batch // dp // train.gradient_accumulation_steps
+    bucket = bucket_elements(num_params)
+    zero: dict = {
+        "stage": stage,
+        "contiguous_gradients": True,
+        # Overlap needs a second stream and a second set of buckets; a CPU has neither stream.
+        "overlap_comm": device_type == "cuda",
+        "reduce_bucket_size": bucket,
+    }
+    if stage < 3:
+        zero["allgather_bucket_size"] = bucket
+    else:
+        zero.update({
+            "stage3_prefetch_bucket_size": bucket,
+            # Parameters below this many elements stay whole on every rank (biases, norms).
+            "stage3_param_persistence_threshold": min(100_000, num_params // 1000),
+            "stage3_max_live_parameters": 2 * bucket,
+            "stage3_max_reuse_distance": bucket,
+        })
+    pin = device_type == "cuda"
+    if options.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if options.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    return {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "gradient_clipping": float(train.grad_clip),
+        "bf16": {"enabled": train.precision == "bf16"},
+        "fp16": {"enabled": train.precision == "fp16", "initial_scale_power": 16},
+        "zero_optimization": zero,
+        # The experiment's torch optimizer (AdamW, SGD) steps the partitions, also when offloaded
+        # (DeepSpeed would otherwise insist on its CPU Adam, a JIT-compiled op).
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def merged(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+class _KeyLog(dict):
+    """A dict that records which keys are looked up: DeepSpeedConfig reads every top-level key it
+    knows, so the keys of an override it never looked at are keys DeepSpeed does not have."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.looked_up: set = set()
+
+    def _log(self, key):
+        self.looked_up.add(key)
+        return key
+
+    def get(self, key, default=None):
+        return super().get(self._log(key), default)
+
+    def __getitem__(self, key):
+        return super().__getitem__(self._log(key))
+
+    def __contains__(self, key):
+        return super().__contains__(self._log(key))
+
+    def pop(self, key, *default):
+        return super().pop(self._log(key), *default)
+
+    def setdefault(self, key, default=None):
+        return super().setdefault(self._log(key), default)
+
+
+def check_deepspeed_keys(override: dict, stage: int, error) -> None:
+    """Run DeepSpeed's own config parsing on the override (with placeholders for what the
+    experiment derives) and report unknown keys and bad values by their path."""
+    if not override:
+        return
+    zero = override.get("zero_optimization")
+    if isinstance(zero, dict) and "stage" in zero and zero["stage"] != stage:
+        error("strategy.deepspeed.zero_optimization.stage", zero["stage"],
+              f"the strategy zero-{stage} sets the stage", "choose the stage by the strategy name (zero-1, zero-2 or "
+              "zero-3) and remove zero_optimization.stage")
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if key in override:
+            error(f"strategy.deepspeed.{key}", override[key], "batch sizes come from the experiment",
+                  "set train.global_batch_size / train.gradient_accumulation_steps instead")
+    if "gradient_clipping" in override:
+        error("strategy.deepspeed.gradient_clipping", override["gradient_clipping"],
+              "clipping comes from the experiment (train.grad_clip), the same for every strategy",
+              "set train.grad_clip instead")
+    for key in ("optimizer", "scheduler"):
+        if key in override:
+            error(f"strategy.deepspeed.{key}", override[key], "the optimizer and its schedule come from the "
+                  "experiment (train.optimizer, train.lr, train.lr_schedule ...), the same for every strategy",
+                  f"remove strategy.deepspeed.{key}")
+
+    _quiet_deepspeed()
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    # DeepSpeedConfig checks the batch against the world size of DeepSpeed's communication backend once
+    # one is up (workers parse the experiment too): the placeholders follow it
+    from deepspeed import comm as ds_comm
+
+    try:
+        world = ds_comm.get_world_size()
+    except (RuntimeError, AssertionError, AttributeError):
+        world = 1
+    base = {"train_batch_size": world, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage}}
+    cfg = _KeyLog(merged(base, override))
+    try:
+        DeepSpeedConfig(cfg)
+    except ValidationError as e:
+        first = e.errors()[0]
+        section = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
+                   "DeepSpeedFP16Config": "fp16"}.get(e.title)
+        path = ".".join(str(p) for p in ((section,) if section else ()) + tuple(first["loc"]))
+        problem = "not a DeepSpeed config key" if first["type"] == "extra_forbidden" else first["msg"]
+        error(f"strategy.deepspeed.{path}", first.get("input"), f"{problem} ({e.title})",
+              "see https://www.deepspeed.ai/docs/config-json/ for the keys and values DeepSpeed takes")
+    except Exception as e:  # noqa: BLE001 - DeepSpeed signals a bad config with asserts and errors of its own
+        error("strategy.deepspeed", override, f"DeepSpeed rejects the config: {e}",
+              "see https://www.deepspeed.ai/docs/config-json/")
+    unknown = [k for k in override if k not in cfg.looked_up]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], sorted(cfg.looked_up), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        error(f"strategy.deepspeed.{unknown[0]}", override[unknown[0]], "not a DeepSpeed config key",
+              f"{hint}remove it; see https://www.deepspeed.ai/docs/config-json/")
+
+
+def _quiet_deepspeed() -> None:
+    """DeepSpeed logs its whole config at INFO and warns about torch APIs it calls; keep runs readable."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
+def _skip_shm_comm_op() -> None:
+    """DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce (37-140 s) the first time
+    its communication backend starts. Training never uses it -- only inference's all-reduce does;
+    gradients go through the torch process group -- so it is marked unavailable rather than built.
+    (DeepSpeed keeps the probed set in this module attribute and rereads it there.)"""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
+# -- the engine ----------------------------------------------------------------------------------
+
+class ZeroEngine(Engine):
+    Options = Options
+    stage: int = 0
+
+    @staticmethod
+    def for_stage(stage: int) -> type["ZeroEngine"]:
+        return {1: Zero1Engine, 2: Zero2Engine, 3: Zero3Engine}[stage]
+
+    @classmethod
+    def model_state_bytes(cls, options, train, dp, num_params):
+        est = super().model_state_bytes(options, train, dp, num_params)
+        # DeepSpeed keeps an fp32 master copy of its partition even when the model is fp32 (the
+        # textbook fp32 figure has none), and per-rank gradient buckets.
+        master = 4 * num_params / dp if train.precision == "fp32" else 0.0
+        buckets = 4 * bucket_elements(num_params) if dp > 1 else 0
+        expected = est.expected + master + buckets
+        offloaded = 0.0
+        if options.offload_optimizer:
+            offloaded += (optimizer_state_bytes(train) + 4) * num_params / dp  # master + optimizer state
+        if options.offload_param:
+            offloaded += (4 if train.precision == "fp32" else 2) * num_params / dp
+        return StateBytes(est.theory, expected, offloaded)
+
+    def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
+        # Imported before the base class takes its memory baseline: what importing DeepSpeed
+        # allocates (tens of MB, once per process) is not model state.
+        _quiet_deepspeed()
+        if ctx.device.type == "cpu":
+            _skip_shm_comm_op()
+        import deepspeed
+
+        for name in LAZY_IMPORTS:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+
+        if not dist.is_initialized():  # one process without a group: DeepSpeed still wants one
+            dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
+        deepspeed.init_distributed(dist_init_required=False)
+        super().__init__(model, task, train, options, ctx, total_steps)
+        config = merged(deepspeed_config(self.stage, options, train, train.global_batch_size, self.dp_size,
+                                         self.num_params, self.device.type), options.deepspeed)
+        self.model = model.to(self.device)
+        optimizer = build_optimizer(self.model, train)
+        self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=self.model, optimizer=optimizer, config=config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(train, total_steps)),
+            dist_init_required=False)
+        self.compute_dtype = DTYPES[train.precision]
+
+    def autocast(self):
+        return contextlib.nullcontext()  # parameters are already 16-bit (DeepSpeed casts the model)
+
+    def prepare(self, batch):
+        out = self.task.prepare(batch, self.device)
+        return {k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in out.items()}
+
+    def train_step(self, batch):
+        micro = split_batch(batch, self.train.gradient_accumulation_steps)
+        total = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro):
+            loss = self.task.loss(self.module, self.prepare(mb))
+            last = i == len(micro) - 1
+            if last and self.stage == 1:
+                # ZeRO-1 holds whole gradients until the end of the last backward pass, where
+                # DeepSpeed reduce-scatters them and drops all but its partition: count them then,
+                # from a callback the autograd engine runs once the pass is done (as FSDP does).
+                # Stages 2 and 3 reduce gradients bucket by bucket during the pass.
+                loss.register_hook(_at_end_of_backward(self.note_memory))
+            self.module.backward(loss)  # scales by 1/accumulation steps; reduces at the boundary
+            if last and self.stage > 1:
+                self.note_memory()
+            self.module.step()  # the optimizer steps at the accumulation boundary only
+            total += loss.detach() / len(micro)
+        self.note_memory()
+        return total
+
+    # -- memory --------------------------------------------------------------------------------
+    def census(self):
+        opt = self.optimizer
+        params = list(self.model.parameters())
+        ds_params = [getattr(p, "ds_tensor", None) for p in params]  # zero-3: this rank's partition
+        extra_params = [*ds_params, *getattr(opt, "bit16_groups_flat", []), *getattr(opt, "fp16_partitioned_groups_flat", [])]
+        masters = [*getattr(opt, "single_partition_of_fp32_groups", []), *getattr(opt, "fp32_partitioned_groups_flat", [])]
+        grads = [m.grad for m in masters]
+        averaged = getattr(opt, "averaged_gradients", None) or {}
+        for g in (averaged.values() if isinstance(averaged, dict) else averaged):
+            grads.extend(g or [])
+        grads.extend(getattr(opt, "ipg_buffer", None) or [])
+        for bucket in (getattr(opt, "ipg_buckets", None) or {}).values():
+            buffer = getattr(bucket, "buffer", None)
+            grads.extend([buffer] if isinstance(buffer, torch.Tensor) else buffer or [])
+        if isinstance(getattr(opt, "grads_in_partition", None), torch.Tensor):
+            grads.append(opt.grads_in_partition)
+        for name in ("grad_partitions_flat_buffer", "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer"):
+            if isinstance(getattr(opt, name, None), torch.Tensor):
+                grads.append(getattr(opt, name))
+        base = getattr(opt, "optimizer", None)
+        return model_state_census(params, None, extra_grads=grads, extra_params=extra_params,
+                                  extra_optim=[*masters, *(optimizer_tensors(base) if base is not None else [])])
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _engine_counters(self) -> dict:
+        return {k: int(getattr(self.module, k)) for k in ("global_steps", "global_samples", "micro_steps",
+                                                           "skipped_steps")}
+
+    def save(self, directory: Path) -> None:
+        from deepspeed.checkpoint.constants import PARAM_SLICE_MAPPINGS, UNIVERSAL_CHECKPOINT_INFO
+
+        optimizer = self.optimizer.state_dict()
+        for key in (PARAM_SLICE_MAPPINGS, UNIVERSAL_CHECKPOINT_INFO):  # DeepSpeed's universal-checkpoint
+            optimizer.pop(key, None)  # conversion only, and objects a weights-only load would refuse
+        state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
+                 "engine": self._engine_counters(), "dp_size": self.dp_size}
+        torch.save(state, directory / f"zero-rank{self.dp_rank}.pt")
+        if self.stage < 3 and self.ctx.rank == 0:  # whole (16-bit) parameters, the same on every rank
+            torch.save(self.model.state_dict(), directory / "zero-model.pt")
+
+    def load(self, directory: Path) -> None:
+        path = directory / f"zero-rank{self.dp_rank}.pt"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: the checkpoint holds no ZeRO partition for rank {self.dp_rank}; "
+                                    "resume with the number of workers that wrote it")
+        state = _load_zero_state(path, self.device)
+        if state["dp_size"] != self.dp_size:
+            raise ValueError(f"{path}: written by {state['dp_size']} data-parallel ranks, resuming with "
+                             f"{self.dp_size}; resume with the same number of workers")
+        if self.stage < 3:
+            self.model.load_state_dict(load_tensors(directory / "zero-model.pt", self.device))
+        # Only this rank's entry is read when the layout is unchanged (DeepSpeed's "rigid" load).
+        parts = [None] * self.dp_size
+        parts[self.dp_rank] = state["optimizer"]
+        self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+        self.scheduler.load_state_dict(state["scheduler"])
+        for k, v in state["engine"].items():
+            setattr(self.module, k, v)
+
+    def full_state_dict(self):
+        """fp32 master weights, gathered (a collective: every rank calls it)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if isinstance(t, nn.Parameter):
+                key = id(t)
+                if key not in full:
+                    full[key] = safe_get_full_fp32_param(t).detach().reshape(_shape(t)).cpu()
+        out = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            out[name] = full[id(t)] if isinstance(t, nn.Parameter) else t.detach().cpu()
+        return out
+
+
+def _at_end_of_backward(fn):
+    """A tensor hook that queues `fn` to run once the current backward pass has finished."""
+    def hook(grad):
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+        return grad
+    return hook
+
+
+def _shape(p: nn.Parameter):
+    return getattr(p, "ds_shape", p.shape)
+
+
+def _load_zero_state(path: Path, device: torch.device) -> dict:
+    """DeepSpeed's optimizer state dict holds a few of its own small objects (the loss scaler, the
+    stage enum) beside tensors: allow exactly those, nothing else."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):
+        return torch.load(path, map_location=device, weights_only=True)
+
+
+class Zero1Engine(ZeroEngine):
+    stage = 1
+    sharding = Sharding(optim=True, low_precision_states=True)
+
+
+class Zero2Engine(ZeroEngine):
+    stage = 2
+    sharding = Sharding(grads=True, optim=True, low_precision_states=True)
+
+
+class Zero3Engine(ZeroEngine):
+    stage = 3
+    sharding = Sharding(params=True, grads=True, optim=True, low_precision_states=True)
