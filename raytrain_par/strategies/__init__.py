@@ -9,6 +9,7 @@ from .base import DistContext, Engine
 
 REGISTRY: dict[str, str] = {
     "ddp": "raytrain_par.strategies.ddp:DDPEngine",
+    "pipeline": "raytrain_par.strategies.pipeline:PipelineEngine",
 }
 NAMES = tuple(REGISTRY)
 
