@@ -10,6 +10,7 @@ from .base import DistContext, Engine
 REGISTRY: dict[str, str] = {
     "ddp": "raytrain_par.strategies.ddp:DDPEngine",
     "pipeline": "raytrain_par.strategies.pipeline:PipelineEngine",
+    "pipedream": "raytrain_par.strategies.pipedream:PipeDreamEngine",
 }
 NAMES = tuple(REGISTRY)
 
