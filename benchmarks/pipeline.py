@@ -4,8 +4,8 @@ For each number of stages P and each schedule, P processes (torch.multiprocessin
 group, no Ray) train the same GPT-2 on the same random tokens for a few steps. Reported per run:
 the mean step time, the measured bubble (fraction of a step a stage is not computing, mean over
 stages) next to GPipe's ideal (P - 1) / (M + P - 1), and per stage the parameter bytes and the peak
-activation bytes autograd held. The last step of every run is checked against the others' losses:
-the synchronous schedules must agree exactly.
+activation bytes autograd held. The synchronous schedules compute the same thing: their last losses
+must agree (to 1e-4).
 
     python benchmarks/pipeline.py                         # P = 2, 4 on the CPU (gloo)
     python benchmarks/pipeline.py --stages 4 8 --device cuda --n-layer 24 --n-embd 1024 --batch 64

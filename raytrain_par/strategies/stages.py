@@ -11,8 +11,7 @@ ranks (one node, for their gradient all-reduce) and the stages of one pipeline t
 Split. Models list their layers (models.pipeline_layers: GPT-2 embeddings / blocks / norm + head,
 VGG convolutions / classifier layers); a stage is a contiguous run of layers. The split balances
 the stages' forward FLOPs (`balance: flops`, counted by torch's FlopCounterMode on meta-device
-copies of the layers, so it costs no compute and every rank and every resumed run derives the same
-split) or their parameter counts (`balance: params`), or follows `split_points`.
+copies of the layers: no compute, and every rank and every resumed run derives the same split) or their parameter counts (`balance: params`), or follows `split_points`.
 
 Tied weights. A parameter used by layers on two stages (GPT-2's token embedding, which is also the
 LM head) is untied as Megatron-LM does: the later stage holds a copy, and after every backward the
@@ -89,8 +88,8 @@ def even_split(layers: int, parts: int) -> list[int]:
 
 def measure_layers(model: nn.Module, layers: list[nn.Module]) -> tuple[list[float], list[tuple]]:
     """Forward FLOPs of one sample through each layer, and each layer's output (sample shape, dtype):
-    counted by torch's FlopCounterMode on meta-device copies of the layers, one at a time, so it
-    costs neither compute nor memory."""
+    counted by torch's FlopCounterMode on meta-device copies of the layers, one at a time, so nothing
+    is computed and only one layer is copied at a time."""
     x = models.example_input(model, "meta")
     flops, outputs = [], []
     for layer in layers:
