@@ -26,13 +26,16 @@ steps a copy. Records carry the measured staleness per stage next to this theory
 stashed versions (`mem_stash_bytes`).
 
 Tied weights (GPT-2's embedding and LM head) are untied as for the synchronous pipeline, but their
-gradient sum cannot be one all-reduce: the last stage finishes a minibatch P - 1 steps before the
-first. The last stage sends its half to the first, which adds it to its own when it updates and sends
+gradient sum cannot be one all-reduce: the last stage finishes a minibatch up to P - 1 steps before
+the first. The last stage sends its half to the first, which adds it to its own when it updates and sends
 the sum back; the last stage applies it at its next step. Both copies take the same steps in the same
-order and stay equal; the LM head copy therefore runs P - 1 updates behind the rest of its stage.
+order and stay equal; the LM head copy therefore runs up to P - 1 updates behind the rest of its
+stage.
 
 Every step returns the minibatch's loss on every rank: ranks wait for the last stage's loss at the
-end of each step (a collective on a group of its own). Gradient clipping needs the whole gradient's
+end of each step (a collective on a group of its own). That wait costs overlap: no stage starts the
+next step's forward passes before the step's last microbatch has been through the last stage, so
+only backward passes overlap across steps. Gradient clipping needs the whole gradient's
 norm, which an asynchronous pipeline never holds at one moment, so it is refused. A checkpoint holds
 the weights, optimizer state and counters; resuming restarts the pipeline empty (the microbatches in
 flight when it was written are dropped), so a resumed run is not identical to an uninterrupted one.
