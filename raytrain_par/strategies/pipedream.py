@@ -26,11 +26,12 @@ steps a copy. Records carry the measured staleness per stage next to this theory
 stashed versions (`mem_stash_bytes`).
 
 Tied weights (GPT-2's embedding and LM head) are untied as for the synchronous pipeline, but their
-gradient sum cannot be one all-reduce: the last stage finishes a minibatch up to P - 1 steps before
-the first. The last stage sends its half to the first, which adds it to its own when it updates and sends
-the sum back; the last stage applies it at its next step. Both copies take the same steps in the same
-order and stay equal; the LM head copy therefore runs up to P - 1 updates behind the rest of its
-stage.
+gradient sum cannot be one all-reduce: the last stage finishes a minibatch's backward passes before
+the first does. The last stage sends its half to the first, which adds its own when it updates and
+sends the sum back; the last stage applies it just before it forwards the first microbatch that the
+first stage forwarded with the updated weights. So every microbatch meets the same version of both
+copies, the tied pair behaves as a parameter of the first stage (its staleness, its stash), and the
+copies stay equal. The last stage may wait for the sum: at most one backward pass of the first stage.
 
 Every step returns the minibatch's loss on every rank: ranks wait for the last stage's loss at the
 end of each step (a collective on a group of its own). That wait costs overlap: no stage starts the
@@ -148,7 +149,8 @@ class PipeDreamEngine(Engine):
         self.in_flight: deque[_InFlight] = deque()
         self.fwd: tuple[int, dict] | None = None  # 2BW: the version the current minibatch's forwards use
         self.current = dict(self.module.named_parameters())
-        self.sends: list = []
+        self.sends: list = []  # (step, work, tensor) of activation and gradient sends
+        self.tie_sends: dict = {}  # minibatch -> (work, tensor) of tied-gradient sends
         self.staleness: deque[tuple[int, int]] = deque(maxlen=4096)  # (microbatch, measured staleness)
         self.interval_staleness = Interval()
         self.busy, self.bubble = Busy(self.device), Interval()
@@ -178,7 +180,7 @@ class PipeDreamEngine(Engine):
 
     # -- one step -----------------------------------------------------------------------------------
     def train_step(self, batch):
-        self._receive_tied_updates()
+        self._wait_for_sends()
         task, m = self.task, self.m
         total = torch.zeros((), device=self.device)
         t0 = time.perf_counter()
@@ -195,6 +197,7 @@ class PipeDreamEngine(Engine):
                 work.wait()
                 x.requires_grad_()
             pending_input = None
+            self._receive_tied_updates(before=j)
             version, params = self._forward_weights(j)
             with self.busy(), self.activations.track(params.values()):
                 out = functional_call(self.module, params, (x,))
@@ -220,9 +223,7 @@ class PipeDreamEngine(Engine):
         self.calls += 1
         if self.calls >= self.total_steps:
             self._drain()
-        loss = self.pipe.from_last(total, self.loss_group)
-        self._forget_finished_sends()
-        return loss
+        return self.pipe.from_last(total, self.loss_group)
 
     def _forward_weights(self, j: int) -> tuple[int, dict]:
         if not self.two_versions:
@@ -246,7 +247,7 @@ class PipeDreamEngine(Engine):
         works = dist.batch_isend_irecv(ops)
         for op, work in zip(ops, works):
             if op.op is dist.isend:
-                self.sends.append((work, op.tensor))
+                self.sends.append((self.calls, work, op.tensor))
             elif wait_recv:
                 work.wait()
         return works
@@ -290,6 +291,11 @@ class PipeDreamEngine(Engine):
                 self._run([dist.P2POp(dist.irecv, grad, group=self.pipe.pp_group, group_peer=self.stage + 1)], True)
             self._backward(grad, None)
         self._receive_tied_updates(final=True)
+        for _, work, _ in self.sends:
+            work.wait()
+        for work, _ in self.tie_sends.values():
+            work.wait()
+        self.sends, self.tie_sends = [], {}
 
     # -- updates ------------------------------------------------------------------------------------
     def _update(self, u: int) -> None:
@@ -306,10 +312,15 @@ class PipeDreamEngine(Engine):
                 dist.recv(half, group_src=1, group=group)
                 w.grad.add_(half)
                 total = w.grad.clone()
-                self.sends.append((dist.isend(total, group_dst=1, group=group), total))
+                self.tie_sends[u] = (dist.isend(total, group_dst=1, group=group), total)
+                # The last stage has received the sum of minibatch v once it sent this half (it applies
+                # sums before forward passes, and it sent u's half after forwarding all of u).
+                lag0 = self.pipe.S - 1
+                for v in [v for v in self.tie_sends if (v + 1) * self.m <= u * self.m - lag0]:
+                    self.tie_sends.pop(v)[0].wait()
             else:
                 for w in self.pipe.tied(tie):
-                    self.sends.append((dist.isend(w.grad, group_dst=0, group=group), w.grad))
+                    self.tie_sends[u] = (dist.isend(w.grad, group_dst=0, group=group), w.grad)
                     w.grad = None
         pinned = {e.version for e in self.in_flight} | ({self.fwd[0]} if self.fwd else set())
         if self.version in pinned:
@@ -351,17 +362,18 @@ class PipeDreamEngine(Engine):
     def _unstash(self, nbytes: int) -> None:
         self.stash_now -= nbytes
 
-    def _receive_tied_updates(self, final: bool = False) -> None:
-        """Last stage: apply, in order, the tied-gradient sums the first stage has made by now (all of
-        them at the end of training)."""
+    def _receive_tied_updates(self, before: int = 0, final: bool = False) -> None:
+        """Last stage: bring the untied copies to the version the first stage's originals have when it
+        forwards microbatch `before` (its forward weights under 2BW), i.e. apply the tied-gradient sums
+        of the minibatches whose last backward pass the first stage has run by then (1F1B order: the
+        one of microbatch before - 1 - (P - 1)); at the end of training, all of them."""
         if self.tied_optimizer is None:
             return
+        if self.two_versions:
+            before = before // self.m * self.m
         lag0 = self.pipe.S - 1
-        while self.next_tied < self.calls:
+        while self.next_tied < self.calls if final else (self.next_tied + 1) * self.m <= before - lag0:
             u = self.next_tied
-            made_in = ((u + 1) * self.m - 1 + lag0) // self.m  # the step in which the first stage updates u
-            if not final and made_in >= self.calls:
-                break
             for tie, group in self.exchange:
                 copies = self.pipe.tied(tie)
                 total = torch.empty_like(copies[0])
@@ -373,14 +385,25 @@ class PipeDreamEngine(Engine):
             self.tied_optimizer.step()
             self.tied_optimizer.zero_grad(set_to_none=True)
             self.next_tied += 1
+            work, _ = self.tie_sends.pop(u)  # the first stage has received this minibatch's half
+            work.wait()
 
-    def _forget_finished_sends(self) -> None:
-        self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+    def _wait_for_sends(self) -> None:
+        """Finish the sends of activations and gradients made two steps ago or earlier. (Gloo's send
+        works complete only once waited for, so they are waited for where their receives are known to
+        be posted: a neighbour receives them in the same step or the next.)"""
+        keep = []
+        for sent in self.sends:
+            if sent[0] + 2 > self.calls:
+                keep.append(sent)
+            else:
+                sent[1].wait()
+        self.sends = keep
 
     # -- evaluation and records -----------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, batches):
-        self._receive_tied_updates()
+        self._receive_tied_updates(before=self.calls * self.m)  # the copies as the next forward passes see them
         sums = self.dp_sum(self.pipe.eval_sums(batches, self.task, self.eval_group))
         return self.task.summarize(*[float(x) for x in sums])
 
