@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from raytrain_par import config, data, models, strategies  # noqa: E402
 from raytrain_par.data.loader import MemoryLoader  # noqa: E402
 from raytrain_par.data.shards import DatasetInfo, read_split  # noqa: E402
-from raytrain_par.metrics.memory import SavedTensorCensus  # noqa: E402
+from raytrain_par.metrics.memory import SavedActivations  # noqa: E402
 from raytrain_par.metrics.records import mib  # noqa: E402
 from raytrain_par.strategies import DistContext  # noqa: E402
 
@@ -76,12 +76,12 @@ def measure(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: int,
     times, activations = [], None
     for i, batch in zip(range(steps), loader.epoch(0)):
         ddp_bytes["bytes"] = 0
-        census = SavedTensorCensus(engine.module.parameters()) if i == 1 else None
+        saved = SavedActivations() if i == 1 else None
         t0 = time.perf_counter()
-        with census or contextlib.nullcontext():
+        with saved.track(engine.module.parameters()) if saved else contextlib.nullcontext():
             float(engine.train_step(batch))  # float(): waits for the device
         times.append(time.perf_counter() - t0)
-        activations = census.bytes if census is not None else activations
+        activations = saved.peak if saved is not None else activations
     mem = engine.memory()
     tp = getattr(engine, "tp", None)
     return {

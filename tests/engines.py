@@ -29,6 +29,7 @@ def train_steps(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: 
     model, task = models.build(spec.model, info, spec.train.seed)
     ctx = DistContext.current(torch.device("cpu"))
     engine = strategies.build_engine(spec.strategy, model, task, spec.train, ctx, total_steps=steps)
+    del model  # as the worker loop does: what an engine does not keep is freed
     loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
     losses = []
     for i, batch in zip(range(steps), loader.epoch(0)):

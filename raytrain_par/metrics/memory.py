@@ -130,26 +130,82 @@ def peak_bytes(device: torch.device) -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
-class SavedTensorCensus:
-    """Activation bytes: the distinct storages autograd saves for backward while this context is active
-    (through torch's saved-tensors hooks), leaving out `exclude` (the parameters, which matmuls save
-    too). Entered around one forward pass, it counts what that pass keeps alive until its backward."""
+class SavedActivations:
+    """Activation memory as autograd holds it: the bytes of tensors saved for backward that are alive
+    now, and the most a step added to what was alive when it began (`step()` starts a step).
+    Parameters saved for backward (a weight kept for a matmul's gradient) are not activations and are
+    left out. Use `with tracker.track(parameters):` around the forward passes; each storage counts once
+    however many saved tensors view it, and leaves the count when the last of them is released (after
+    its backward, or when the graph is dropped)."""
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self.seen = {t.untyped_storage().data_ptr() for t in exclude}
-        self.bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+    def __init__(self):
+        self.now = 0
+        self.peak = 0
+        self.base = 0
+        self.max_step = 0  # largest peak - base of the steps since `take`
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, saved references]
+        self._exclude: set[int] = set()
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.bytes += storage_bytes([t], self.seen)
-        return t
+    def step(self) -> None:
+        """A step begins: measure from what is alive now."""
+        self.max_step = max(self.max_step, self.peak - self.base)
+        self.base = self.peak = self.now
 
-    def __enter__(self) -> "SavedTensorCensus":
-        self._hooks.__enter__()
-        return self
+    def take(self) -> int:
+        """The most any step since the previous take added (including the one running)."""
+        out = max(self.max_step, self.peak - self.base)
+        self.max_step = 0
+        self.base = self.peak = self.now
+        return out
 
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+    def take_peak(self) -> int:
+        """The most alive at once since the previous take (for pipelines that keep microbatches in
+        flight from one step to the next)."""
+        out, self.peak = self.peak, self.now
+        return out
+
+    def track(self, parameters: Iterable[torch.Tensor]):
+        self._exclude = {p.untyped_storage().data_ptr() for p in parameters}
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if key in self._exclude or nbytes == 0 or t.device.type == "meta":
+            return t
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [nbytes, 1]
+            self.now += nbytes
+            self.peak = max(self.peak, self.now)
+        else:
+            entry[1] += 1
+        return _Saved(t, key, self)
+
+    def _release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._live[key]
+            self.now -= entry[0]
+
+
+class _Saved:
+    """A saved tensor as autograd stores it while tracked: dropping it releases its count."""
+
+    __slots__ = ("tensor", "key", "tracker")
+
+    def __init__(self, tensor, key, tracker):
+        self.tensor, self.key, self.tracker = tensor, key, tracker
+
+    def __del__(self):
+        self.tracker._release(self.key)
+
+
+def _unpack(saved):
+    return saved.tensor if isinstance(saved, _Saved) else saved
+
+
 def size_text(n: float) -> str:
     """Bytes for people: 512.0 MiB, 3.2 GiB."""
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

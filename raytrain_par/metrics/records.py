@@ -15,7 +15,8 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-# Columns every record has, in order. Memory columns are per worker, reduced by max.
+# Columns every record has, in order. Memory columns (these, and any other `mem_*` column a strategy
+# adds) are per worker, reduced by max.
 COLUMNS = [
     "experiment", "trial", "strategy", "num_workers", "global_batch_size", "epoch", "step", "samples_seen",
     "wall_time_s", "elapsed_s", "startup_s", "train_loss", "val_loss", "val_perplexity", "val_accuracy", "lr",
@@ -31,12 +32,14 @@ def merge(reports: list[dict]) -> dict:
     """The reports of all workers for one evaluation -> one record."""
     first = reports[0]
     record = {c: first.get(c) for c in COLUMNS if c not in MEMORY}
-    for c in MEMORY:
+    # Strategy-specific memory columns (e.g. a pipeline's activation bytes) are per worker like the rest.
+    memory = MEMORY + [k for k in first if k.startswith("mem_") and k not in MEMORY]
+    for c in memory:
         values = [r.get(c) for r in reports if r.get(c) is not None]
         record[c] = max(values) if values else None
         record[f"{c}_per_worker"] = values
     for k, v in first.items():  # strategy-specific extras (e.g. a pipeline's bubble) travel along
-        if k not in record and k not in MEMORY:
+        if k not in record:
             record[k] = v
     return record
 

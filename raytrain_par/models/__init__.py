@@ -2,6 +2,8 @@
 
 - gpt2-tiny, gpt2-mini, gpt2-small, gpt2-medium, gpt2-large: transformers' GPT2LMHeadModel on text.
 - vgg11, vgg16: VGG on images, `model.width` scales every layer, `model.image_size` the input.
+
+Each model also says how a pipeline splits it (`pipeline_layers`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,25 @@ def build_on_meta(spec, info) -> tuple[nn.Module, Task]:
 def parameter_count(model: nn.Module) -> int:
     """Parameters of a model, a tied weight once."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def pipeline_layer_count(spec) -> int:
+    """How many layers a pipeline can split the model between (see `pipeline_layers`)."""
+    if spec.name in GPT2_NAMES:
+        return gpt2_sizes(spec)["n_layer"] + 2
+    return vgg.pipeline_layer_count(spec.name)
+
+
+def pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    """The model as a sequence of layers, each one tensor -> one tensor, that pipeline stages split between:
+    GPT-2: embeddings, each block, final norm + LM head; VGG: each convolution (with its ReLU and pooling),
+    then the classifier's three linear layers. The layers hold the model's own modules."""
+    return vgg.pipeline_layers(model) if isinstance(model, vgg.VGG) else gpt2.pipeline_layers(model)
+
+
+def example_input(model: nn.Module, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One sample of the model's input (zeros): what shapes and costs of the pipeline layers are measured on."""
+    if isinstance(model, vgg.VGG):
+        return torch.zeros(1, *model.input_shape, device=device)
+    return torch.zeros(1, model.config.n_positions, dtype=torch.long, device=device)
 
 
 def build(spec, info, seed: int) -> tuple[nn.Module, Task]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+from torch import nn
+
 if TYPE_CHECKING:  # transformers takes seconds to import: only processes that build a GPT-2 pay for it
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -56,3 +59,54 @@ TENSOR_PARALLEL_PLAN: dict[str, str] = {
     r"transformer\.h\.\d+\.mlp\.c_fc": "colwise",
     r"transformer\.h\.\d+\.mlp\.c_proj": "rowwise",
 }
+
+# -- pipeline layers -----------------------------------------------------------------------------
+# A pipeline splits a GPT-2 between these layers, never inside one: the embeddings, each transformer
+# block, and the final norm with the LM head. Each layer holds the model's own modules (so parameter
+# names map back to the plain model's) and maps one tensor to one tensor, as pipeline stages need.
+
+def _positions(x: torch.Tensor) -> torch.Tensor:
+    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+
+
+class Embeddings(nn.Module):
+    """Token + position embeddings and dropout: input ids [B, T] -> hidden states [B, T, D]."""
+
+    def __init__(self, transformer):
+        super().__init__()
+        self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.wte(input_ids) + self.wpe(_positions(input_ids)))
+
+
+class Block(nn.Module):
+    """One transformer block, given the causal mask GPT2Model would give it (None under SDPA)."""
+
+    def __init__(self, block, config):
+        super().__init__()
+        self.block, self.config = block, config
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        # Positions are always 0..T-1 here (no packed sequences), so they need not be given to the mask.
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                  position_ids=None)
+        return self.block(hidden, None, mask)
+
+
+class Head(nn.Module):
+    """Final layer norm and LM head: hidden states -> logits [B, T, vocab]."""
+
+    def __init__(self, ln_f, lm_head):
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(hidden))
+
+
+def pipeline_layers(model: GPT2LMHeadModel) -> list[nn.Module]:
+    t = model.transformer
+    return [Embeddings(t), *(Block(b, t.config) for b in t.h), Head(t.ln_f, model.lm_head)]

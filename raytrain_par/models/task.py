@@ -17,6 +17,9 @@ class Task:
     kind: str
     metrics: tuple[str, ...]
     sample_key: str
+    # The prepared batch's model input and labels, for engines that feed a model in pieces (pipelines).
+    input_key: str
+    label_key: str
 
     def prepare(self, batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -26,13 +29,18 @@ class Task:
         raise NotImplementedError
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits, labels = self.outputs(model, batch)
-        return F.cross_entropy(logits.float(), labels)
+        return self.loss_from(*self.outputs(model, batch))
+
+    def loss_from(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy; logits [..., classes] with labels [...] (any leading shape)."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
     def eval_sums(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[summed loss, number of predictions, correct predictions] for one prepared batch."""
-        logits, labels = self.outputs(model, batch)
-        logits = logits.float()
+        return self.sums_from(*self.outputs(model, batch))
+
+    def sums_from(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits, labels = logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1)
         loss_sum = F.cross_entropy(logits, labels, reduction="sum").detach()
         correct = (logits.argmax(-1) == labels).sum().float()
         return torch.stack([loss_sum, torch.tensor(float(labels.numel()), device=labels.device), correct])
@@ -50,6 +58,7 @@ class LanguageModelling(Task):
     kind = "lm"
     metrics = ("val_loss", "val_perplexity", "val_accuracy")  # accuracy of the next token
     sample_key = "tokens"
+    input_key, label_key = "input_ids", "labels"
 
     def prepare(self, batch, device):
         tokens = batch["tokens"].to(device, non_blocking=True).long()
@@ -72,6 +81,7 @@ class ImageClassification(Task):
     kind = "classify"
     metrics = ("val_loss", "val_accuracy")
     sample_key = "label"
+    input_key, label_key = "image", "label"
 
     def __init__(self, image_size: int, mean: float, std: float):
         self.image_size, self.mean, self.std = image_size, mean, std

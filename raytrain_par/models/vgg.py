@@ -22,6 +22,7 @@ class VGG(nn.Module):
     def __init__(self, plan: str, in_channels: int, num_classes: int, image_size: int, width: float = 1.0,
                  dropout: float = 0.5):
         super().__init__()
+        self.input_shape = (in_channels, image_size, image_size)
         layers: list[nn.Module] = []
         channels, size = in_channels, image_size
         for item in PLANS[plan]:
@@ -55,3 +56,20 @@ class VGG(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
 
+
+
+def pipeline_layers(model: VGG) -> list[nn.Module]:
+    """What a pipeline splits VGG between: each convolution with its ReLU (and the pooling after it),
+    then the classifier's three linear layers (the first with the average pooling and flatten)."""
+    layers: list[list[nn.Module]] = []
+    for m in model.features:
+        if isinstance(m, nn.Conv2d):
+            layers.append([])
+        layers[-1].append(m)
+    c = model.classifier
+    layers += [[model.avgpool, nn.Flatten(1), c[0], c[1], c[2]], [c[3], c[4], c[5]], [c[6]]]
+    return [nn.Sequential(*group) for group in layers]
+
+
+def pipeline_layer_count(plan: str) -> int:
+    return sum(1 for item in PLANS[plan] if item != "M") + 3

@@ -14,6 +14,8 @@ REGISTRY: dict[str, str] = {
     "zero-2": "raytrain_par.strategies.zero:Zero2Engine",
     "zero-3": "raytrain_par.strategies.zero:Zero3Engine",
     "fsdp": "raytrain_par.strategies.fsdp:FSDPEngine",
+    "pipeline": "raytrain_par.strategies.pipeline:PipelineEngine",
+    "pipedream": "raytrain_par.strategies.pipedream:PipeDreamEngine",
 }
 NAMES = tuple(REGISTRY)
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..metrics.memory import SavedTensorCensus
+from ..metrics.memory import SavedActivations
 from . import tensor_parallel as tp_ops
 from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
 from .tensor_parallel import TPGroup
@@ -272,14 +272,14 @@ class MegatronEngine(Engine):
             last = i == len(micro) - 1
             sync = self.module.no_sync() if self.dp_size > 1 and not last else contextlib.nullcontext()
             # Activations: what autograd keeps for backward in one micro-batch's forward (measured once).
-            census = SavedTensorCensus(self.model.parameters()) if self.activation_bytes is None else None
+            saved = SavedActivations() if self.activation_bytes is None else None
             with sync:
-                with census or contextlib.nullcontext():
+                with saved.track(self.model.parameters()) if saved else contextlib.nullcontext():
                     prepared = self.task.prepare(mb, self.device)
                     with self.autocast():
                         loss = self.module(prepared["input_ids"], prepared["labels"]) / len(micro)
-                if census is not None:
-                    self.activation_bytes = census.bytes
+                if saved is not None:
+                    self.activation_bytes = saved.peak
                 loss.backward()
             total += loss.detach()
         if self.train.grad_clip:

@@ -1,0 +1,159 @@
+"""Pipeline schedules compared: step time, measured bubble against the ideal, memory per stage.
+
+For each number of stages P and each schedule, P processes (torch.multiprocessing, one process
+group, no Ray) train the same GPT-2 on the same random tokens for a few steps. Reported per run:
+the mean step time, the measured bubble (fraction of a step a stage is not computing, mean over
+stages) next to GPipe's ideal (P - 1) / (M + P - 1), and per stage the parameter bytes and the peak
+activation bytes autograd held. The synchronous schedules compute the same thing: their last losses
+must agree (to 1e-4).
+
+    python benchmarks/pipeline.py                         # P = 2, 4 on the CPU (gloo)
+    python benchmarks/pipeline.py --stages 4 8 --device cuda --n-layer 24 --n-embd 1024 --batch 64
+
+On a machine with fewer cores than P the processes share cores, and a rank that waits lends its
+core to the others: measured bubbles there say more about the machine than about the schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from raytrain_par import config, models, strategies  # noqa: E402
+from raytrain_par.data.shards import DatasetInfo  # noqa: E402
+from raytrain_par.strategies import DistContext  # noqa: E402
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "pipedream"]
+
+
+def _spec(args, stages: int, schedule: str) -> dict:
+    if schedule == "pipedream":
+        strategy = {"name": "pipedream", "stages": stages, "microbatches": args.microbatches or 4 * stages}
+    else:
+        strategy = {"name": "pipeline", "stages": stages, "schedule": schedule,
+                    "microbatches": args.microbatches or 4 * stages}
+    return {"name": "bench", "model": {"name": args.model, "n_layer": args.n_layer, "n_embd": args.n_embd,
+                                       "n_head": args.n_head},
+            "data": {"name": "kjv", "seq_len": args.seq_len, "vocab_size": args.vocab},
+            "strategy": strategy, "scaling": {"num_workers": stages, "use_gpu": args.device == "cuda"},
+            "train": {"global_batch_size": args.batch, "max_steps": args.warmup + args.steps, "lr": 1e-4}}
+
+
+def _worker(rank: int, world: int, port: int, args, spec_dict: dict, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"), rank=rank,
+                            world_size=world)
+    try:
+        spec = config.from_dict(spec_dict)
+        info = DatasetInfo(name="random", kind="text", train_path="", val_path="", num_train=0, num_val=0,
+                           seq_len=args.seq_len, vocab_size=args.vocab)
+        model, task = models.build(spec.model, info, 0)
+        steps = args.warmup + args.steps
+        # one step more than run: pipedream drains its pipeline in its last step, outside what is timed
+        engine = strategies.build_engine(spec.strategy, model, task, spec.train, DistContext(rank, world, rank, device),
+                                         steps + 1)
+        del model
+        g = torch.Generator().manual_seed(0)
+        batches = [{"tokens": torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g)}
+                   for _ in range(steps)]
+        losses, times = [], []
+        for i, batch in enumerate(batches):
+            if i == args.warmup:
+                engine.memory()  # records measure from here: torch's schedules infer shapes in their first step
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses.append(float(engine.train_step(batch)))
+            times.append(time.perf_counter() - t0)
+        memory = engine.memory()
+        queue.put((rank, {"losses": losses, "step_s": sum(times[args.warmup:]) / args.steps, "memory": memory}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args, stages: int, schedule: str) -> dict:
+    spec_dict = config.parse(_spec(args, stages, schedule)).to_dict()  # invalid options fail here, not in a worker
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_worker, args=(r, stages, port, args, spec_dict, queue)) for r in range(stages)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get() for _ in procs)
+    for p in procs:
+        p.join()
+    first = results[0]
+    m = spec_dict["strategy"]["microbatches"]
+    mem = first["memory"]
+    return {"stages": stages, "schedule": schedule, "microbatches": m, "step_s": max(r["step_s"] for r in results.values()),
+            "bubble": mem["bubble_fraction"], "bubble_per_stage": mem["stage_bubble_fraction"],
+            "bubble_ideal": (stages - 1) / (m + stages - 1), "layers_per_stage": mem["stage_layers"],
+            "param_bytes_per_stage": mem["stage_param_bytes"], "activation_bytes_per_stage": mem["stage_activation_bytes"],
+            "stash_bytes_per_stage": mem.get("stage_stash_bytes"), "losses": first["losses"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--schedules", nargs="+", default=SCHEDULES, choices=SCHEDULES)
+    p.add_argument("--microbatches", type=int, help="default 4 x stages")
+    p.add_argument("--model", default="gpt2-tiny")
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--backend", choices=["gloo", "nccl"])
+    p.add_argument("--out", default="results/bench/pipeline.json")
+    args = p.parse_args()
+
+    rows = []
+    for stages in args.stages:
+        for schedule in args.schedules:
+            row = run(args, stages, schedule)
+            rows.append(row)
+            print(f"P={stages} {schedule}: {row['step_s'] * 1000:.0f} ms/step, bubble {row['bubble']:.2f} "
+                  f"(ideal {row['bubble_ideal']:.2f})", flush=True)
+    for stages in args.stages:  # the synchronous schedules compute the same thing
+        sync = [r["losses"][-1] for r in rows if r["stages"] == stages and r["schedule"] != "pipedream"]
+        assert max(sync) - min(sync) < 1e-4, f"P={stages}: synchronous schedules disagree: {sync}"
+
+    head = ["P", "schedule", "M", "ms/step", "bubble", "ideal", "stage params MiB", "stage activations MiB"]
+    table = [[str(r["stages"]), r["schedule"], str(r["microbatches"]), f"{r['step_s'] * 1000:.0f}", f"{r['bubble']:.2f}",
+              f"{r['bubble_ideal']:.2f}", " ".join(f"{b / 2**20:.1f}" for b in r["param_bytes_per_stage"]),
+              " ".join(f"{b / 2**20:.1f}" for b in r["activation_bytes_per_stage"])] for r in rows]
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(head)]
+    print()
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for t in table:
+        print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = {"cpus": os.cpu_count(), "device": args.device, "torch": torch.__version__}
+    out.write_text(json.dumps({"args": vars(args), "machine": machine, "runs": rows}, indent=1))
+    print(f"\nwritten to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Pipeline parallel with synchronous schedules: torch.distributed.pipelining's GPipe, 1F1B,
+interleaved 1F1B and zero-bubble schedules.
+
+The model is split into stages (see stages.py: by layers, balanced by FLOPs or parameters, tied
+weights untied with a gradient all-reduce); each step's rows are cut into `microbatches` that flow
+through the stages; gradients are complete when the schedule flushes, and every rank then takes an
+ordinary optimizer step on its own stages. The result equals training the plain model on the whole
+batch. With num_workers = stages x D, each stage's gradients are averaged over its D replicas by an
+explicit all-reduce on the stage's data-parallel group (a DDP-wrapped stage fails from the second
+step on under torch's schedules).
+
+Every record carries, per pipeline rank (`stage_*` lists, rank order), the parameter bytes,
+the peak activation bytes autograd held, and the measured bubble: the fraction of the schedule's
+time a rank was not computing (idle while waiting for its neighbours), to set against the ideal
+(P - 1) / (M + P - 1) of GPipe and 1F1B.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import torch.distributed.pipelining as pipelining
+from torch import nn
+
+from ..metrics.memory import SavedActivations
+from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
+from .stages import Busy, Interval, Pipeline, validate_layout
+
+SCHEDULES = {
+    "gpipe": pipelining.ScheduleGPipe,
+    "1f1b": pipelining.Schedule1F1B,
+    "interleaved-1f1b": pipelining.ScheduleInterleaved1F1B,
+    "zero-bubble": pipelining.ScheduleInterleavedZeroBubble,
+    "zbv": pipelining.ScheduleZBVZeroBubble,
+}
+# Schedules that hold several stages per worker (virtual stages).
+MULTI = ("interleaved-1f1b", "zero-bubble", "zbv")
+
+
+@dataclass
+class Options:
+    """`strategy:` keys for pipeline."""
+
+    stages: int = 2  # P: pipeline ranks; num_workers = P x data-parallel replicas
+    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"] = "1f1b"
+    microbatches: Optional[int] = None  # M per step and pipeline (default 4 x stages)
+    virtual_stages: Optional[int] = None  # stages per worker, interleaved-1f1b / zero-bubble (default 2); zbv: 2
+    split_points: Optional[list[int]] = None  # layer indices where stages 1.. begin; default: balanced
+    balance: Literal["flops", "params"] = "flops"  # what the automatic split balances
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches or 4 * self.stages
+
+    @property
+    def stages_per_worker(self) -> int:
+        return self.virtual_stages or (2 if self.schedule in MULTI else 1)
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """Stage indices pipeline rank `pp_rank` holds: looped (p, p + P, ...) or, for zbv, a V (p, 2P - 1 - p)."""
+        P = self.stages
+        if self.schedule == "zbv":
+            return [pp_rank, 2 * P - 1 - pp_rank]
+        return [pp_rank + v * P for v in range(self.stages_per_worker)]
+
+    def validate(self, spec, error) -> None:
+        P, M, V = self.stages, self.num_microbatches, self.stages_per_worker
+        if self.virtual_stages is not None:
+            if self.schedule not in MULTI:
+                error("strategy.virtual_stages", self.virtual_stages, f"schedule {self.schedule} holds one stage per "
+                      "worker", "remove it, or use schedule interleaved-1f1b or zero-bubble")
+            if self.virtual_stages < 1:
+                error("strategy.virtual_stages", self.virtual_stages, "must be >= 1", "use e.g. 2")
+            if self.schedule == "zbv" and self.virtual_stages != 2:
+                error("strategy.virtual_stages", self.virtual_stages, "zbv holds exactly 2 stages per worker",
+                      "remove it, or use schedule zero-bubble for other counts")
+        validate_layout(spec, error, P, P * V, M, self.split_points)
+        if self.schedule in ("1f1b", "zbv") and M < P:
+            error("strategy.microbatches", M, f"{self.schedule} needs at least as many microbatches as stages ({P})",
+                  f"use {P} or more, or schedule gpipe")
+        if self.schedule in ("interleaved-1f1b", "zero-bubble"):
+            rounds = max(1, M // P)
+            if M % rounds:
+                error("strategy.microbatches", M, f"{self.schedule} runs microbatches in rounds of {P} stages and "
+                      f"needs a multiple of the {rounds} rounds", f"use a multiple of {P}, e.g. {rounds * P}")
+
+    def data_parallel_size(self, num_workers: int) -> int:
+        return max(1, num_workers // self.stages)
+
+
+class _TimedStage(pipelining.PipelineStage):
+    """torch's PipelineStage, timing its forward and backward computation (not the waits between)."""
+
+    def __init__(self, *args, busy: Busy, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.busy = busy
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.busy():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with self.busy():
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_weight_one_chunk(self, *args, **kwargs):
+        with self.busy():
+            return super().backward_weight_one_chunk(*args, **kwargs)
+
+
+class PipelineEngine(Engine):
+    Options = Options
+
+    def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
+        super().__init__(model, task, train, options, ctx, total_steps)
+        o = options
+        self.pipe = Pipeline(model, ctx, o.stages, o.stages * o.stages_per_worker, o.stages_of, o.split_points,
+                             o.balance)
+        self.microbatches = o.num_microbatches
+        self.busy, self.bubble = Busy(self.device), Interval()
+        self.activations = SavedActivations()
+        # Each microbatch's loss is divided by all microbatches of the step (scale_grads=False): the
+        # gradients then sum to the mean over the step's rows, also across gradient-accumulation chunks
+        # (scale_grads=True would divide what earlier chunks accumulated once more).
+        scale = self.microbatches * train.gradient_accumulation_steps
+
+        def loss_fn(logits, labels):
+            with self.busy():
+                return task.loss_from(logits, labels) / scale
+
+        stages = [_TimedStage(module, s, self.pipe.S, self.device, group=self.pipe.pp_group, busy=self.busy)
+                  for s, module in self.pipe.modules.items()]
+        schedule = SCHEDULES[o.schedule]
+        if o.schedule in MULTI:
+            self.schedule = schedule(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        else:
+            self.schedule = schedule(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.module = nn.ModuleList(self.pipe.modules.values())
+        self.optimizer = build_optimizer(self.module, train)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train, total_steps))
+
+    # -- layout: every stage of one pipeline reads the same rows -----------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.pipe.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.pipe.D
+
+    @property
+    def dp_group(self):
+        return self.pipe.dp_group
+
+    # -- training ---------------------------------------------------------------------------------
+    def train_step(self, batch):
+        pipe, task = self.pipe, self.task
+        total = torch.zeros((), device=self.device)
+        self.activations.step()
+        t0 = time.perf_counter()
+        for chunk in split_batch(batch, self.train.gradient_accumulation_steps):
+            prepared = task.prepare(chunk, self.device)
+            args = (prepared[task.input_key],) if pipe.has_first else ()
+            target = prepared[task.label_key] if pipe.has_last else None
+            losses: list | None = [] if pipe.has_last else None
+            with self.activations.track(self.module.parameters()):
+                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            if losses:
+                total += torch.stack(losses).detach().sum()
+        busy = self.busy.take()  # waits for the device before the step's time is read
+        self.bubble.add(1.0 - busy / max(time.perf_counter() - t0, 1e-9))
+        pipe.reduce_grads()
+        if self.train.grad_clip:
+            pipe.clip_grads(self.train.grad_clip)
+        self.note_memory()
+        self.optimizer.step()
+        self.note_memory()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return pipe.from_last(total)
+
+    @torch.no_grad()
+    def evaluate(self, batches):
+        sums = self.dp_sum(self.pipe.eval_sums(batches, self.task))
+        return self.task.summarize(*[float(x) for x in sums])
+
+    # -- records ----------------------------------------------------------------------------------
+    def memory(self) -> dict:
+        """Memory of this worker, plus per-pipeline-rank figures gathered over the pipeline (every rank
+        calls this at every record)."""
+        out = super().memory()
+        out["mem_activation_bytes"] = activation = self.activations.take()
+        bubble = self.bubble.take()
+        mine = {"param": out["mem_param_bytes"], "activation": activation, "bubble": bubble,
+                "layers": self.pipe.layers_of(self.pipe.pp_rank)}
+        ranks = self.pipe.gather(mine)
+        out["stage_layers"] = [r["layers"] for r in ranks]
+        out["stage_param_bytes"] = [r["param"] for r in ranks]
+        out["stage_activation_bytes"] = [r["activation"] for r in ranks]
+        measured = all(r["bubble"] is not None for r in ranks)  # not before the first step
+        out["stage_bubble_fraction"] = [r["bubble"] for r in ranks] if measured else None
+        out["bubble_fraction"] = sum(r["bubble"] for r in ranks) / len(ranks) if measured else None
+        return out
+
+    # -- checkpoints: each pipeline rank writes its stages (the first replica; the others are equal) --
+    def _file(self, directory: Path) -> Path:
+        return Path(directory) / f"pipeline-rank{self.pipe.pp_rank}.pt"
+
+    def save(self, directory: Path) -> None:
+        if self.pipe.dp_rank == 0:
+            torch.save({"split": self.pipe.split, "stages": self.pipe.S, "model": self.pipe.state_dict(),
+                        "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       self._file(directory))
+
+    def load(self, directory: Path) -> None:
+        state = load_tensors(self._file(directory), self.device)
+        check_split(state, self.pipe)
+        self.pipe.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_state_dict(self):
+        return self.pipe.full_state_dict()
+
+
+def check_split(state: dict, pipe: Pipeline) -> None:
+    if state["split"] != pipe.split or state["stages"] != pipe.S:
+        raise ValueError(f"the checkpoint holds {state['stages']} stages split at layers {state['split']}, "
+                         f"this run has {pipe.S} split at {pipe.split}: resume with the same strategy "
+                         f"options (set strategy.split_points: {state['split']})")

@@ -1,0 +1,430 @@
+"""What the pipeline engines share: splitting a model into stages, the (pipeline x data) grid of
+ranks, weights tied across stages, a forward-only pass for evaluation, and per-stage records.
+
+`pipeline` (torch.distributed.pipelining's schedules) and `pipedream` (asynchronous, hand-written)
+build a `Pipeline` and differ only in how they run training steps on it.
+
+Layout. num_workers = P x D ranks form a grid built once with torch's DeviceMesh: rank = p * D + d
+for pipeline rank p and data-parallel replica d, so the D replicas of one stage are neighbouring
+ranks (one node, for their gradient all-reduce) and the stages of one pipeline talk point to point.
+
+Split. Models list their layers (models.pipeline_layers: GPT-2 embeddings / blocks / norm + head,
+VGG convolutions / classifier layers); a stage is a contiguous run of layers. The split balances
+the stages' forward FLOPs (`balance: flops`, counted by torch's FlopCounterMode on meta-device
+copies of the layers: no compute, and every rank and every resumed run derives the same split) or their parameter counts (`balance: params`), or follows `split_points`.
+
+Tied weights. A parameter used by layers on two stages (GPT-2's token embedding, which is also the
+LM head) is untied as Megatron-LM does: the later stage holds a copy, and after every backward the
+copies' gradients are summed (all-reduce between the stages holding them), so both copies take
+identical optimizer steps and stay equal. The copy costs the later stage one more vocab x width
+matrix (with its gradient and optimizer state); `full_state_dict` returns both names, equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.flop_counter import FlopCounterMode
+
+from .. import models
+from .base import DistContext
+
+# -- options shared by the pipeline engines -----------------------------------------------------
+
+
+def validate_layout(spec, error, stages: int, stages_total: int, microbatches: int,
+                    split_points: list[int] | None) -> None:
+    """Checks every pipeline engine makes before anything starts: P, the workers, the layers, M."""
+    n = spec.scaling.num_workers
+    if spec.train.precision != "fp32":
+        error("train.precision", spec.train.precision, "the pipeline engines train in fp32 only",
+              "use fp32, or a strategy with mixed precision (ddp, zero-1/2/3, fsdp, megatron)")
+    if stages < 2:
+        error("strategy.stages", stages, "a pipeline has at least 2 stages",
+              "use 2 or more (strategy ddp trains the whole model on every worker)")
+    if n % stages:
+        lo = max(stages, n // stages * stages)
+        error("scaling.num_workers", n, f"does not split into pipelines of {stages} stages "
+              "(num_workers = stages x data-parallel replicas)", f"use a multiple of {stages}, e.g. {lo}")
+    layers = models.pipeline_layer_count(spec.model)
+    what = "embeddings, blocks, head" if spec.model.name in models.GPT2_NAMES else "convolutions, classifier layers"
+    if stages_total > layers:
+        error("strategy.stages", stages, f"{stages_total} stages but {spec.model.name} has {layers} layers "
+              f"({what}) to split between", f"use at most {layers} stages in all (stages x virtual_stages)")
+    if split_points is not None:
+        bounds = [0, *split_points, layers]
+        if len(split_points) != stages_total - 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+            error("strategy.split_points", split_points,
+                  f"expected {stages_total - 1} increasing layer indices in 1..{layers - 1} (where stages 1.."
+                  f"{stages_total - 1} begin; layers: {what})",
+                  f"e.g. {even_split(layers, stages_total)}, or remove it to balance the stages automatically")
+    if microbatches < 1:
+        error("strategy.microbatches", microbatches, "must be >= 1", f"use e.g. {4 * stages}")
+    t = spec.train
+    replicas = spec.data_parallel_size
+    if t.global_batch_size % (replicas * t.gradient_accumulation_steps) == 0:  # otherwise config reports it
+        rows = t.global_batch_size // (replicas * t.gradient_accumulation_steps)
+        if rows % microbatches:
+            divisors = [m for m in range(1, rows + 1) if rows % m == 0]
+            near = min(divisors, key=lambda m: (abs(m - microbatches), m))
+            error("strategy.microbatches", microbatches,
+                  f"does not divide the {rows} rows a pipeline trains on per step (global batch "
+                  f"{t.global_batch_size} / {replicas} data-parallel replicas / {t.gradient_accumulation_steps} "
+                  "accumulation steps)", f"use a divisor of {rows}, e.g. {near}, or change train.global_batch_size")
+
+
+def even_split(layers: int, parts: int) -> list[int]:
+    return [round(i * layers / parts) for i in range(1, parts)]
+
+
+# -- splitting ------------------------------------------------------------------------------------
+
+
+def measure_layers(model: nn.Module, layers: list[nn.Module]) -> tuple[list[float], list[tuple]]:
+    """Forward FLOPs of one sample through each layer, and each layer's output (sample shape, dtype):
+    counted by torch's FlopCounterMode on meta-device copies of the layers, one at a time, so nothing
+    is computed and only one layer is copied at a time."""
+    x = models.example_input(model, "meta")
+    flops, outputs = [], []
+    for layer in layers:
+        meta = copy.deepcopy(layer).to("meta")
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            x = meta(x)
+        flops.append(float(counter.get_total_flops()))
+        outputs.append((tuple(x.shape[1:]), x.dtype))
+        del meta
+    return flops, outputs
+
+
+def partition(costs: list[float], parts: int) -> list[int]:
+    """Split points (where parts 1.. begin) cutting `costs` into `parts` contiguous non-empty runs with
+    the smallest largest sum (dynamic programming; a few dozen layers)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    arg = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cand = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cand < best[k][i]:
+                    best[k][i], arg[k][i] = cand, j
+    points, i = [], n
+    for k in range(parts, 0, -1):
+        i = arg[k][i]
+        points.append(i)
+    return sorted(points)[1:]
+
+
+class Pipeline:
+    """A model split into `num_stages` stages over the (pipeline x data) grid; this rank's stages.
+
+    `stages_of(p)` lists the stage indices pipeline rank p holds (one, or several for interleaved
+    schedules). Only this rank's stages are kept (moved to the device); the rest of the model is
+    dropped with the caller's reference to it."""
+
+    def __init__(self, model: nn.Module, ctx: DistContext, pipeline_ranks: int, num_stages: int,
+                 stages_of: Callable[[int], list[int]], split_points: list[int] | None = None,
+                 balance: str = "flops"):
+        P, S = pipeline_ranks, num_stages
+        if ctx.world_size % P:
+            raise ValueError(f"{ctx.world_size} workers do not split into pipelines of {P} ranks")
+        self.P, self.D, self.S, self.device = P, ctx.world_size // P, S, ctx.device
+        self.pp_rank, self.dp_rank = divmod(ctx.rank, self.D)
+        mesh = init_device_mesh(ctx.device.type, (P, self.D), mesh_dim_names=("pp", "dp"))
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.owner = {s: p for p in range(P) for s in stages_of(p)}
+        assert sorted(self.owner) == list(range(S)), "every stage needs exactly one pipeline rank"
+        self.local = sorted(stages_of(self.pp_rank))
+
+        layers = models.pipeline_layers(model)
+        flops, outputs = measure_layers(model, layers)
+        costs = flops if balance == "flops" else [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
+        self.split = list(split_points) if split_points else partition(costs, S)
+        bounds = [0, *self.split, len(layers)]
+        self.layer_ranges = [(bounds[s], bounds[s + 1]) for s in range(S)]
+        # What each stage sends on: (shape of one sample, dtype); a message of b rows is [b, *shape].
+        self.outputs = [outputs[b - 1] for _, b in self.layer_ranges]
+        every = [nn.Sequential(*layers[a:b]) for a, b in self.layer_ranges]
+
+        # Original names of each stage's state (by the model's own module paths) and tied parameters.
+        paths: dict[int, str] = {}
+        for path, module in model.named_modules(remove_duplicate=False):
+            paths.setdefault(id(module), path)
+        slots = [_slots(stage, paths) for stage in every]
+        covered = {orig for stage_slots in slots for (_, _, _, orig) in stage_slots}
+        missing = set(model.state_dict()) - covered
+        assert not missing, f"pipeline layers leave out {sorted(missing)[:5]}"
+        self.names = {s: {local: orig for local, _, _, orig in slots[s]} for s in self.local}
+
+        holders: dict[int, list[tuple[int, str, nn.Module, str, str]]] = defaultdict(list)
+        for s, stage_slots in enumerate(slots):
+            for local, module, attr, orig in stage_slots:
+                value = module._parameters.get(attr)
+                if value is not None:
+                    holders[id(value)].append((s, local, module, attr, orig))
+        self.ties: list[Tie] = []
+        for found in sorted(holders.values(), key=lambda h: h[0][4]):
+            stages_with = sorted({s for s, *_ in found})
+            if len(stages_with) < 2:
+                continue
+            tie = Tie(found[0][4], sorted({self.owner[s] for s in stages_with}))
+            copies: dict[int, nn.Parameter] = {}
+            for s, local, module, attr, _ in found:
+                if s not in self.local:
+                    continue
+                if s != stages_with[0]:  # untie: a copy of its own on every later stage
+                    if s not in copies:
+                        p = module._parameters[attr]
+                        copies[s] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+                        tie.copies.append((s, local))
+                    setattr(module, attr, copies[s])
+                elif tie.counted is None:
+                    tie.counted = (s, local)
+            self.ties.append(tie)
+        self.modules: dict[int, nn.Module] = {s: every[s].to(self.device) for s in self.local}
+        del every, layers, slots, holders
+
+        # Every rank creates every group, in the same order (new_group is collective over the world).
+        self.tie_groups = []
+        for tie in self.ties:
+            group = None
+            if len(tie.owners) > 1:
+                for d in range(self.D):
+                    g = dist.new_group([p * self.D + d for p in tie.owners])
+                    if d == self.dp_rank and self.pp_rank in tie.owners:
+                        group = g
+            self.tie_groups.append(group)
+
+    def tied(self, tie: "Tie") -> list[nn.Parameter]:
+        """This rank's copies of a tied parameter (looked up by name: engines may replace parameters)."""
+        slots = ([tie.counted] if tie.counted else []) + tie.copies
+        return [self.modules[s].get_parameter(name) for s, name in slots]
+
+    # -- where things are -----------------------------------------------------------------------
+    @property
+    def first_owner(self) -> int:
+        return self.owner[0]
+
+    @property
+    def last_owner(self) -> int:
+        return self.owner[self.S - 1]
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.local
+
+    @property
+    def has_last(self) -> bool:
+        return self.S - 1 in self.local
+
+    def layers_of(self, pp_rank: int) -> list[int]:
+        """Indices of the layers pipeline rank `pp_rank` holds."""
+        return [i for s, p in self.owner.items() if p == pp_rank for i in range(*self.layer_ranges[s])]
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen, out = set(), []
+        for module in self.modules.values():
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    # -- gradients ------------------------------------------------------------------------------
+    def reduce_grads(self, params: list[nn.Parameter] | None = None) -> None:
+        """Sum the gradients of tied copies (within the pipeline), then average over the stage's replicas."""
+        self.sum_tied_grads()
+        if self.D > 1:
+            grads = [p.grad for p in (params or self.parameters()) if p.grad is not None]
+            works = [dist.all_reduce(g, group=self.dp_group, async_op=True) for g in grads]
+            for w in works:
+                w.wait()
+            for g in grads:
+                g.div_(self.D)
+
+    def sum_tied_grads(self) -> None:
+        for tie, group in zip(self.ties, self.tie_groups):
+            params = self.tied(tie)
+            if not params:  # no copy on this rank
+                continue
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params]
+            total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for g in grads:
+                if g is not total:
+                    g.copy_(total)
+
+    def clip_grads(self, max_norm: float, params: list[nn.Parameter] | None = None) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient (tied copies counted once), like
+        clip_grad_norm_ on the plain model."""
+        params = params or self.parameters()
+        copies = {id(self.modules[s].get_parameter(name)) for tie in self.ties for s, name in tie.copies}
+        counted = [p.grad for p in params if p.grad is not None and id(p) not in copies]
+        sq = torch.nn.utils.get_total_norm(counted, 2.0).pow(2) if counted else torch.zeros((), device=self.device)
+        sq = sq.to(self.device)
+        dist.all_reduce(sq, group=self.pp_group)
+        norm = sq.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' state under the plain model's names."""
+        out = {}
+        for s, module in self.modules.items():
+            for local, value in module.state_dict().items():
+                out[self.names[s][local]] = value
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for s, module in self.modules.items():
+            module.load_state_dict({local: state[orig] for local, orig in self.names[s].items()})
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The plain model's state dict, gathered from the stages of this rank's pipeline (every rank)."""
+        mine = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        out: dict[str, torch.Tensor] = {}
+        for part in self.gather(mine):
+            out.update(part)
+        return out
+
+    def gather(self, obj) -> list:
+        """`obj` of every rank of this pipeline, in pipeline-rank order."""
+        out = [None] * self.P
+        dist.all_gather_object(out, obj, group=self.pp_group)
+        return out
+
+    def from_last(self, t: torch.Tensor, group=None) -> torch.Tensor:
+        """The last stage's `t` on every rank of the pipeline."""
+        t = t.to(self.device)
+        dist.broadcast(t, group_src=self.last_owner, group=group or self.pp_group)
+        return t
+
+    # -- evaluation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_sums(self, batches: Iterable[dict[str, torch.Tensor]], task, group=None) -> torch.Tensor:
+        """[loss sum, predictions, correct] over `batches`, run forward through the stages; the last
+        stage's sums on every rank of the pipeline. Written by hand rather than with a torch schedule:
+        validation batches vary in size, and torch's schedules fix microbatch shapes at their first step."""
+        group = group or self.pp_group
+        sums = torch.zeros(3, device=self.device, dtype=torch.float64)
+        for module in self.modules.values():
+            module.eval()
+        for batch in batches:
+            prepared = task.prepare(batch, self.device)
+            rows = task.samples_of(batch)
+            x = None
+            for s in self.local:
+                if s == 0:
+                    x = prepared[task.input_key]
+                elif self.owner[s - 1] != self.pp_rank:
+                    x = self.buffer(s - 1, rows)
+                    dist.recv(x, group_src=self.owner[s - 1], group=group)
+                x = self.modules[s](x)
+                if s == self.S - 1:
+                    sums += task.sums_from(x, prepared[task.label_key]).double()
+                elif self.owner[s + 1] != self.pp_rank:
+                    dist.send(x.contiguous(), group_dst=self.owner[s + 1], group=group)
+        for module in self.modules.values():
+            module.train()
+        return self.from_last(sums, group)
+
+    def buffer(self, stage: int, rows: int) -> torch.Tensor:
+        """An empty tensor for `rows` rows of what `stage` sends on."""
+        shape, dtype = self.outputs[stage]
+        return torch.empty(rows, *shape, dtype=dtype, device=self.device)
+
+
+@dataclass
+class Tie:
+    """A parameter used on several stages: `counted` is this rank's original (stage, name), if here,
+    `copies` the untied copies here; `owners` the pipeline ranks holding any."""
+
+    name: str
+    owners: list[int]
+    counted: tuple[int, str] | None = None
+    copies: list[tuple[int, str]] = field(default_factory=list)
+
+
+def _slots(stage: nn.Module, paths: dict[int, str]) -> list[tuple[str, nn.Module, str, str]]:
+    """(name in the stage's state dict, owning module, attribute, name in the plain model's state dict)."""
+    out = []
+    for mpath, module in stage.named_modules(remove_duplicate=False):
+        if id(module) not in paths:
+            continue
+        state = [(n, v) for n, v in module._parameters.items() if v is not None]
+        state += [(n, v) for n, v in module._buffers.items()
+                  if v is not None and n not in module._non_persistent_buffers_set]
+        for attr, _ in state:
+            local = f"{mpath}.{attr}" if mpath else attr
+            base = paths[id(module)]
+            out.append((local, module, attr, f"{base}.{attr}" if base else attr))
+    return out
+
+
+# -- timing -----------------------------------------------------------------------------------------
+
+
+class Busy:
+    """Time a rank spends computing (forward and backward passes), summed over `with busy():` blocks;
+    CUDA events on GPUs (kernels run asynchronously), the wall clock on CPUs."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.total = 0.0
+        self._events: list = []
+
+    @contextmanager
+    def __call__(self):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t = time.perf_counter()
+            yield
+            self.total += time.perf_counter() - t
+
+    def take(self) -> float:
+        """Seconds since the last take (waits for the device)."""
+        if self._events:
+            torch.cuda.synchronize()
+            self.total += sum(s.elapsed_time(e) for s, e in self._events) / 1000
+            self._events.clear()
+        out, self.total = self.total, 0.0
+        return out
+
+
+class Interval:
+    """Mean of a per-step figure since the previous record."""
+
+    def __init__(self):
+        self.values: list[float] = []
+
+    def add(self, v: float) -> None:
+        self.values.append(v)
+
+    def take(self) -> float | None:
+        out = sum(self.values) / len(self.values) if self.values else None
+        self.values = []
+        return out

@@ -1,0 +1,30 @@
+"""A pipeline engine end to end through Ray Train (on the session's shared local cluster)."""
+
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import experiment_file
+from raytrain_par.config import load_experiment
+from raytrain_par.driver import run_experiment
+
+pytestmark = pytest.mark.ray
+
+
+def test_pipedream_through_ray_records_stages(ray_cluster, tmp_path):
+    spec = load_experiment(experiment_file("pipeline-staleness.yaml"),
+                           [f"output_dir={tmp_path}", "model.n_layer=2", "data.seq_len=32", "data.vocab_size=512",
+                            "data.max_val_samples=64", "train.max_steps=12", "train.eval_every_steps=6",
+                            "train.warmup_steps=2"])
+    result = run_experiment(spec, log=lambda *_: None)
+    assert result.error is None, result.error
+    records = pq.read_table(tmp_path / "pipeline-staleness" / "metrics.parquet").to_pylist()
+    assert [r["step"] for r in records] == [0, 6, 12]
+    assert records[-1]["val_loss"] < records[0]["val_loss"] - 0.3
+    last = records[-1]
+    assert last["strategy"] == "pipedream" and last["num_workers"] == 2
+    # per stage: stage 0 one update stale (its first microbatch none), the last stage never
+    assert last["stage_staleness"] == [1.0, 0.0] and last["stage_staleness_theory"] == [1.0, 0.0]
+    assert last["stage_stash_bytes"] == [last["stage_param_bytes"][0], 0]
+    assert len(last["mem_activation_bytes_per_worker"]) == 2 and last["mem_activation_bytes"] > 0
+    assert 0 <= last["bubble_fraction"] < 1 and len(last["stage_bubble_fraction"]) == 2
+    assert records[0]["bubble_fraction"] is None  # before the first step
