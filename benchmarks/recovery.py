@@ -5,7 +5,10 @@ A run with `train.max_failures: 1` checkpoints every `--checkpoint-every` evalua
 worker is killed with SIGKILL from outside once the run has passed `--kill-after` steps; Ray Train
 replaces the worker group and the loop resumes from the latest intact checkpoint.
 
-    python benchmarks/recovery.py [--strategies ddp,...] [--steps 16]
+    python benchmarks/recovery.py [--strategies ddp,zero-3,megatron,pipeline] [--steps 16]
+
+Strategies are named as under `strategy.name`; the model-parallel ones run with 2-way splits
+(`megatron`: tensor_parallel 2, `pipeline`: 2 stages with the 1F1B schedule).
 """
 
 from __future__ import annotations
@@ -28,10 +31,21 @@ from raytrain_par.metrics.records import read_records
 
 HERE = Path(__file__).resolve().parent
 
+# The strategy block of each measured strategy (on the default 2 workers).
+STRATEGIES = {
+    "ddp": "{name: ddp}",
+    "zero-1": "{name: zero-1}",
+    "zero-2": "{name: zero-2}",
+    "zero-3": "{name: zero-3}",
+    "fsdp": "{name: fsdp}",
+    "megatron": "{name: megatron, tensor_parallel: 2}",
+    "pipeline": "{name: pipeline, stages: 2, schedule: 1f1b}",
+}
+
 
 def measure(strategy: str, a, work: Path) -> dict:
     spec = load_experiment(a.experiment, [
-        f"strategy={{name: {strategy}}}", f"scaling.num_workers={a.workers}", f"train.max_steps={a.steps}",
+        f"strategy={STRATEGIES[strategy]}", f"scaling.num_workers={a.workers}", f"train.max_steps={a.steps}",
         "train.eval_every_steps=2", f"train.checkpoint_every_evals={a.checkpoint_every}", "train.max_failures=1",
         "train.lr_schedule=constant", "train.warmup_steps=0", "data.max_val_samples=16",
         f"output_dir={work / strategy}"])
@@ -62,13 +76,17 @@ def measure(strategy: str, a, work: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experiment", default=str(HERE.parent / "experiments" / "quickstart.yaml"))
-    p.add_argument("--strategies", default="ddp")
+    p.add_argument("--strategies", default="ddp,zero-3,megatron,pipeline",
+                   help=f"comma-separated, of: {', '.join(STRATEGIES)}")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--kill-after", type=int, default=4)
     p.add_argument("--checkpoint-every", type=int, default=2, help="evaluations (every 2 steps) per checkpoint")
     p.add_argument("--out")
     a = p.parse_args()
+    unknown = [s for s in a.strategies.split(",") if s not in STRATEGIES]
+    if unknown:
+        p.error(f"--strategies: unknown {unknown[0]!r}; use some of {', '.join(STRATEGIES)}")
     start_local_cluster(num_cpus=a.workers + 1, env=worker_env())
     work = Path(tempfile.mkdtemp(prefix="raytrain-par-recovery-"))
     rows = [measure(s, a, work) for s in a.strategies.split(",")]

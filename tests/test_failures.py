@@ -27,12 +27,34 @@ def _spec(out, *overrides):
     return load_experiment(experiment_file("quickstart.yaml"), [*COMMON, f"output_dir={out}", *overrides])
 
 
+# A worker is killed under data parallel, ZeRO-3 and tensor parallel (model-parallel): each run must
+# end equal to its uninterrupted twin.
+STRATEGIES = {
+    "ddp": "strategy={name: ddp}",
+    "zero-3": "strategy={name: zero-3}",
+    "megatron": "strategy={name: megatron, tensor_parallel: 2}",
+}
+
+
 @pytest.fixture(scope="module")
-def straight(ray_cluster, tmp_path_factory):
-    """The uninterrupted run every failure case must end equal to."""
-    result = run_experiment(_spec(tmp_path_factory.mktemp("straight"), "train.max_steps=8"), log=lambda *_: None)
-    assert result.error is None
-    return result.records
+def uninterrupted(ray_cluster, tmp_path_factory):
+    """uninterrupted(strategy) -> the records of the run every failure case must end equal to."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            spec = _spec(tmp_path_factory.mktemp(f"straight-{name}"), "train.max_steps=8", STRATEGIES[name])
+            result = run_experiment(spec, log=lambda *_: None)
+            assert result.error is None
+            runs[name] = result.records
+        return runs[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def straight(uninterrupted):
+    return uninterrupted("ddp")
 
 
 def _assert_same_end(records, straight):
@@ -58,8 +80,10 @@ def test_resume_skips_a_damaged_checkpoint_and_ends_equal(straight, tmp_path, ca
 
 
 @pytest.mark.ray
-def test_killed_worker_is_replaced_and_the_run_ends_equal(straight, tmp_path):
-    spec = _spec(tmp_path, "train.max_steps=8", "train.max_failures=1")
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_killed_worker_is_replaced_and_the_run_ends_equal(uninterrupted, tmp_path, strategy):
+    straight = uninterrupted(strategy)
+    spec = _spec(tmp_path, "train.max_steps=8", "train.max_failures=1", STRATEGIES[strategy])
     done = {}
     thread = threading.Thread(target=lambda: done.update(result=run_experiment(spec, log=lambda *_: None)))
     thread.start()
@@ -74,6 +98,8 @@ def test_killed_worker_is_replaced_and_the_run_ends_equal(straight, tmp_path):
     thread.join(600)
     result = done["result"]
     assert result.error is None
+    assert any(r.get("resumed_from_step") is not None for r in result.records)  # it did lose the worker
+    assert result.records[-1]["strategy"] == strategy
     _assert_same_end(result.records, straight)
 
 

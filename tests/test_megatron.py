@@ -288,6 +288,8 @@ def test_allreduce_bytes_follow_the_megatron_formula(runs, hybrid):
     ({"strategy": megatron(0)}, "strategy.tensor_parallel", "must be >= 1"),
     ({"strategy": {"name": "megatron"}}, "strategy.tensor_parallel", "required"),
     ({"train": {"global_batch_size": 16, "max_steps": 4, "optimizer": "lamb"}}, "train.optimizer", "slices"),
+    ({"train": {"global_batch_size": 16, "max_steps": 4, "precision": "fp16"}, "scaling": {"num_workers": 2,
+      "use_gpu": True}}, "train.precision", "no loss scaler"),
 ])
 def test_bad_layouts_are_rejected_before_start(changes, field, words):
     raw = {**experiment(strategy=megatron(2), workers=2), **changes}

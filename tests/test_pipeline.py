@@ -299,6 +299,8 @@ def test_split_balances_and_follows_split_points(info):
     ({"name": "pipedream", "stages": 4, "weight_versions": 2, "microbatches": 2}, {"workers": 4},
      "strategy.microbatches", "two weight versions"),
     ({"name": "pipedream", "weight_versions": 3}, {}, "strategy.weight_versions", "not one of"),
+    ({"name": "pipeline"}, {"precision": "bf16"}, "train.precision", "fp32 only"),
+    ({"name": "pipedream"}, {"precision": "bf16"}, "train.precision", "fp32 only"),
 ])
 def test_bad_options_are_rejected_before_start(strategy, overrides, field, words):
     train = dict(overrides)

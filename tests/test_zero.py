@@ -177,6 +177,12 @@ def test_offload_that_does_not_fit_in_host_memory_is_rejected():
                   "strategy": {"name": "zero-3", "offload_optimizer": True, "host_memory_gb": 1}})
 
 
+@pytest.mark.parametrize("name", ["zero-1", "zero-3", "fsdp"])
+def test_lamb_is_refused_where_workers_hold_pieces_of_tensors(name):
+    _expect_error({"name": "x", "model": "gpt2-tiny", "data": "kjv", "strategy": {"name": name},
+                   "train": {"optimizer": "lamb"}}, "train.optimizer", "LAMB", "norm")
+
+
 def test_fp16_needs_a_gpu():
     _expect_error({"name": "x", "model": "gpt2-tiny", "data": "kjv", "train": {"precision": "fp16"}},
                   "train.precision", "GPUs")

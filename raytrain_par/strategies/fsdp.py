@@ -43,6 +43,9 @@ class Options:
     host_memory_gb: Optional[float] = None
 
     def validate(self, spec, error) -> None:
+        if spec.train.optimizer == "lamb":
+            error("train.optimizer", "lamb", "each worker holds a shard of every tensor, and LAMB scales each "
+                  "tensor's step by the norm of the whole tensor", "use adamw or sgd with fsdp")
         if spec.train.precision == "fp16":
             error("train.precision", "fp16", "fsdp trains in fp32 or bf16 here (fp16 would need a sharded "
                   "gradient scaler)", "use train.precision: bf16")

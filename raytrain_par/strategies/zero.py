@@ -55,6 +55,9 @@ class Options:
 
     def validate(self, spec, error) -> None:
         stage = STAGES[spec.strategy.name]
+        if spec.train.optimizer == "lamb":
+            error("train.optimizer", "lamb", "DeepSpeed hands the optimizer flat partitions of many tensors, and "
+                  "LAMB scales each tensor's step by that tensor's own norm", "use adamw or sgd with zero-1/2/3")
         if self.offload_param and stage != 3:
             error("strategy.offload_param", True, f"ZeRO stage {stage} keeps whole parameters on every worker, "
                   "so there is nothing to offload", "use strategy zero-3, or offload_optimizer only")
