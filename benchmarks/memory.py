@@ -28,18 +28,14 @@ Prints a Markdown table and writes the rows as JSON.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -47,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from raytrain_par import config, data, models, strategies  # noqa: E402
 from raytrain_par.data.loader import MemoryLoader  # noqa: E402
 from raytrain_par.data.shards import DatasetInfo, read_split  # noqa: E402
-from raytrain_par.metrics.memory import MALLOC_ENV  # noqa: E402
+from raytrain_par.local_group import run_ranks  # noqa: E402
 from raytrain_par.strategies import DistContext  # noqa: E402
 
 NOTES = {
@@ -57,59 +53,25 @@ NOTES = {
 }
 
 
-def _worker(rank: int, world: int, port: int, spec_dict: dict, info_dict: dict, steps: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        spec, info = config.from_dict(spec_dict), DatasetInfo.from_json(info_dict)
-        arrays = read_split(info, info.train_path)  # before the engine: data is not model state
-        model, task = models.build(spec.model, info, spec.train.seed)
-        engine = strategies.build_engine(spec.strategy, model, task, spec.train, DistContext.current(), steps)
-        loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
-        times = []
-        for _, batch in zip(range(steps), loader.epoch(0)):
-            dist.barrier()
-            t0 = time.perf_counter()
-            engine.train_step(batch)
-            times.append(time.perf_counter() - t0)
-        out = {"memory": engine.memory(), "num_params": engine.num_params,
-               "step_time_s": sum(times[1:]) / max(1, len(times) - 1)}  # the first step builds state
-        buf = io.BytesIO()
-        torch.save(out, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - report any failure to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _measure_rank(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: int) -> dict:
+    spec, info = config.from_dict(spec_dict), DatasetInfo.from_json(info_dict)
+    arrays = read_split(info, info.train_path)  # before the engine: data is not model state
+    model, task = models.build(spec.model, info, spec.train.seed)
+    engine = strategies.build_engine(spec.strategy, model, task, spec.train, DistContext.current(), steps)
+    loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
+    times = []
+    for _, batch in zip(range(steps), loader.epoch(0)):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.train_step(batch)
+        times.append(time.perf_counter() - t0)
+    return {"memory": engine.memory(), "num_params": engine.num_params,
+            "step_time_s": sum(times[1:]) / max(1, len(times) - 1)}  # the first step builds state
 
 
 def measure(spec_dict: dict, info: dict, world: int, steps: int) -> list[dict]:
     """Train `steps` steps on `world` fresh processes; returns each rank's report."""
-    ctx = mp.get_context("spawn")
-    os.environ.update(MALLOC_ENV)  # read by each child's C library at start-up
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, spec_dict, info, steps, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, errors = {}, []
-    for _ in range(world):
-        rank, status, value = queue.get()
-        if status == "ok":
-            results[rank] = torch.load(io.BytesIO(value), weights_only=True)
-        else:
-            errors.append(f"rank {rank}:\n{value}")
-    for p in procs:
-        p.join()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [results[r] for r in range(world)]
+    return run_ranks(world, _measure_rank, spec_dict, info, steps, group_of_one=True)
 
 
 def main(argv=None) -> int:
@@ -126,7 +88,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     spec = config.load_experiment(args.experiment, args.overrides)
-    sweep = spec.sweep or {}
+    sweep = (spec.sweep or {}).get("grid", {})
 
     def pick(option, key, default):
         return option.split(",") if option else [str(v) for v in sweep.get(key, default)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,14 +23,9 @@ from common import print_table, write_json
 from raytrain_par import data, models
 from raytrain_par.config import load_experiment
 from raytrain_par.driver import run_experiment, start_local_cluster, worker_env
+from raytrain_par.local_group import free_port
 
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -19,19 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from raytrain_par import config, models, strategies  # noqa: E402
 from raytrain_par.data.shards import DatasetInfo  # noqa: E402
+from raytrain_par.local_group import run_ranks  # noqa: E402
 from raytrain_par.strategies import DistContext  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "pipedream"]
@@ -50,54 +49,35 @@ def _spec(args, stages: int, schedule: str) -> dict:
             "train": {"global_batch_size": args.batch, "max_steps": args.warmup + args.steps, "lr": 1e-4}}
 
 
-def _worker(rank: int, world: int, port: int, args, spec_dict: dict, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
+def _worker(rank: int, world: int, args, spec_dict: dict) -> dict:
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"), rank=rank,
-                            world_size=world)
-    try:
-        spec = config.from_dict(spec_dict)
-        info = DatasetInfo(name="random", kind="text", train_path="", val_path="", num_train=0, num_val=0,
-                           seq_len=args.seq_len, vocab_size=args.vocab)
-        model, task = models.build(spec.model, info, 0)
-        steps = args.warmup + args.steps
-        # one step more than run: pipedream drains its pipeline in its last step, outside what is timed
-        engine = strategies.build_engine(spec.strategy, model, task, spec.train, DistContext(rank, world, rank, device),
-                                         steps + 1)
-        del model
-        g = torch.Generator().manual_seed(0)
-        batches = [{"tokens": torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g)}
-                   for _ in range(steps)]
-        losses, times = [], []
-        for i, batch in enumerate(batches):
-            if i == args.warmup:
-                engine.memory()  # records measure from here: torch's schedules infer shapes in their first step
-            dist.barrier()
-            t0 = time.perf_counter()
-            losses.append(float(engine.train_step(batch)))
-            times.append(time.perf_counter() - t0)
-        memory = engine.memory()
-        queue.put((rank, {"losses": losses, "step_s": sum(times[args.warmup:]) / args.steps, "memory": memory}))
-    finally:
-        dist.destroy_process_group()
+    spec = config.from_dict(spec_dict)
+    info = DatasetInfo(name="random", kind="text", train_path="", val_path="", num_train=0, num_val=0,
+                       seq_len=args.seq_len, vocab_size=args.vocab)
+    model, task = models.build(spec.model, info, 0)
+    steps = args.warmup + args.steps
+    # one step more than run: pipedream drains its pipeline in its last step, outside what is timed
+    engine = strategies.build_engine(spec.strategy, model, task, spec.train, DistContext(rank, world, rank, device),
+                                     steps + 1)
+    del model
+    g = torch.Generator().manual_seed(0)
+    batches = [{"tokens": torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g)}
+               for _ in range(steps)]
+    losses, times = [], []
+    for i, batch in enumerate(batches):
+        if i == args.warmup:
+            engine.memory()  # records measure from here: torch's schedules infer shapes in their first step
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(float(engine.train_step(batch)))
+        times.append(time.perf_counter() - t0)
+    return {"losses": losses, "step_s": sum(times[args.warmup:]) / args.steps, "memory": engine.memory()}
 
 
 def run(args, stages: int, schedule: str) -> dict:
     spec_dict = config.parse(_spec(args, stages, schedule)).to_dict()  # invalid options fail here, not in a worker
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, stages, port, args, spec_dict, queue)) for r in range(stages)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
+    backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    results = dict(enumerate(run_ranks(stages, _worker, args, spec_dict, backend=backend, threads=args.threads)))
     first = results[0]
     m = spec_dict["strategy"]["microbatches"]
     mem = first["memory"]

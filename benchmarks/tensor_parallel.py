@@ -19,25 +19,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from raytrain_par import config, data, models, strategies  # noqa: E402
 from raytrain_par.data.loader import MemoryLoader  # noqa: E402
 from raytrain_par.data.shards import DatasetInfo, read_split  # noqa: E402
+from raytrain_par.local_group import run_ranks  # noqa: E402
 from raytrain_par.metrics.memory import SavedActivations  # noqa: E402
 from raytrain_par.metrics.records import mib  # noqa: E402
 from raytrain_par.strategies import DistContext  # noqa: E402
@@ -108,44 +104,8 @@ def formula(spec, info: DatasetInfo, tp_size: int, dp_size: int, params_local: i
 
 # -- a process group per layout ----------------------------------------------------------------------
 
-def _entry(rank, world, port, backend, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    try:
-        if world > 1:
-            dist.init_process_group(backend, rank=rank, world_size=world)
-        buf = io.BytesIO()
-        torch.save(fn(rank, world, *args), buf)
-        queue.put((rank, True, buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - report any failure to the parent
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_group(world: int, backend: str, fn, *args) -> list:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, fn, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, errors = {}, []
-    for _ in range(world):
-        rank, ok, value = queue.get()
-        if ok:
-            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-        else:
-            errors.append(f"rank {rank}:\n{value}")
-    for p in procs:
-        p.join()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [results[r] for r in range(world)]
+    return run_ranks(world, fn, *args, backend=backend, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 def main(argv=None) -> int:

@@ -156,7 +156,7 @@ def _estimate(spec, args) -> int:
     if args.workers:
         workers = _int_list(args.workers, "--workers")
     else:
-        swept = (spec.sweep or {}).get("scaling.num_workers")
+        swept = (spec.sweep or {}).get("grid", {}).get("scaling.num_workers")
         workers = [int(w) for w in swept] if isinstance(swept, list) else [spec.scaling.num_workers]
     if args.strategies:
         names = [n.strip() for n in args.strategies.split(",") if n.strip()]

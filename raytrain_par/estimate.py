@@ -94,6 +94,9 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
     n = models.parameter_count(model)
     unit = largest_unit_bytes(model, spec.train.precision)
     act_cache: dict[int, int] = {}
+    # the options a sweep gives a strategy (e.g. megatron's tensor_parallel), else its defaults
+    swept = {s["name"]: s for s in (spec.sweep or {}).get("grid", {}).get("strategy", [])
+             if isinstance(s, dict) and "name" in s}
     rows = []
     for name in names:
         for w in workers:
@@ -101,7 +104,7 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
             raw["sweep"] = None
             raw["scaling"]["num_workers"] = w
             if name != spec.strategy.name:
-                raw["strategy"] = {"name": name}
+                raw["strategy"] = dict(swept.get(name, {"name": name}))
             try:
                 s = config.parse(raw)
             except ConfigError as e:

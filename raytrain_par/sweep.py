@@ -83,6 +83,9 @@ def trial_spec(base: dict, sweep: SweepSpec, overrides: dict) -> ExperimentSpec:
     """The experiment of one trial: base + overrides (+ the learning-rate rule)."""
     raw = apply_overrides(base, [])
     for path, value in overrides.items():
+        if path == "strategy.name" and value != raw["strategy"]["name"]:
+            # another strategy: the base strategy's options (its defaults included) mean nothing to it
+            raw["strategy"] = {"name": value}
         _set(raw, path, value)
     if sweep.lr_scaling != "none":
         ratio = raw["train"]["global_batch_size"] / base["train"]["global_batch_size"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,6 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from . import data as data_sets
 from .config import ExperimentSpec
 from .driver import make_trainer, preflight, prepare_results_dir, ray_cluster
-from .errors import UserError
 from .metrics.efficiency import rank, summarize
 from .metrics.records import RecordWriter, merge, progress_line, read_records, write_table
 from .sweep import Plan, describe, plan
@@ -160,7 +158,7 @@ def run_sweep(spec: ExperimentSpec, address: str | None = None, resume: bool = F
             tuner = tune.Tuner.restore(str(results / "tune"), trainable=tune.with_resources(
                 tune.with_parameters(_trial, base=p.base, sweep=p.sweep, storage=str(storage)), {"CPU": 0.001}),
                 resume_errored=True)
-        grid = tuner.fit()
+        tuner.fit()
     records = read_records(results / "metrics.parquet") if (results / "metrics.parquet").exists() else []
     rows = rank([_trial_row(p, t, [r for r in records if r["trial"] == t["name"]]) for t in recorder.trials.values()],
                 p.mode)

@@ -1,7 +1,6 @@
 """Cluster files checked offline (`raytrain-par cluster validate`), and bad input on the way to a
 cluster: an address where no cluster answers, output directories a cluster cannot use."""
 
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from raytrain_par.clusters import check_file, validate
 from raytrain_par.config import load_experiment
 from raytrain_par.driver import run_experiment
 from raytrain_par.errors import ConfigError, UserError
+from raytrain_par.local_group import free_port
 
 CLUSTERS = sorted((REPO / "clusters").glob("*.yaml"))
 PAPER = [experiment_file("paper/gpt2-medium-wikitext.yaml"), experiment_file("paper/vgg16-imagenet.yaml")]
@@ -172,12 +172,6 @@ def test_cli_validates_every_file_by_default(monkeypatch, capsys, tmp_path):
     assert "no cluster files" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_address_without_a_cluster_fails_fast_and_leaves_results_alone(tmp_path):
     spec = load_experiment(experiment_file("quickstart.yaml"), [f"output_dir={tmp_path}"])
     earlier = tmp_path / "quickstart" / "metrics.parquet"
@@ -185,7 +179,7 @@ def test_address_without_a_cluster_fails_fast_and_leaves_results_alone(tmp_path)
     earlier.write_bytes(b"earlier results")
     t0 = time.perf_counter()
     with pytest.raises(UserError, match=r"--address 127\.0\.0\.1:\d+: no Ray cluster answered"):
-        run_experiment(spec, address=f"127.0.0.1:{_free_port()}", log=lambda *_: None)
+        run_experiment(spec, address=f"127.0.0.1:{free_port()}", log=lambda *_: None)
     assert time.perf_counter() - t0 < 10  # ray.init alone would retry for minutes
     assert earlier.read_bytes() == b"earlier results" and sorted(tmp_path.iterdir()) == [earlier.parent]
     with pytest.raises(UserError, match="that is the dashboard's job API"):
@@ -206,6 +200,6 @@ def test_output_dir_a_cluster_cannot_use(monkeypatch, tmp_path):
 def test_job_submit_to_an_address_without_a_cluster_says_so(tmp_path):
     """The README's `ray job submit` where nothing listens: Ray's own error, and a failing exit status."""
     proc = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "submit", "--address",
-                           f"http://127.0.0.1:{_free_port()}", "--", "true"], cwd=tmp_path, capture_output=True,
+                           f"http://127.0.0.1:{free_port()}", "--", "true"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "Failed to connect to Ray at address" in proc.stdout + proc.stderr

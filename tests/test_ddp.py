@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dist import run_ranks
+from raytrain_par.local_group import run_ranks
 from engines import experiment, train_cases, train_steps
 
 

@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -19,7 +18,7 @@ from raytrain_par.driver import check_resumable, run_experiment
 from raytrain_par.errors import UserError
 from raytrain_par.metrics.records import read_records
 
-COMMON = ["train.eval_every_steps=2", "train.lr_schedule=constant", "train.warmup_steps=0",
+COMMON = ["train.eval_every_steps=2", "train.lr_schedule=constant", "train.warmup_steps=0", "train.grad_clip=0.0",
           "data.max_val_samples=16", "scaling.num_workers=2", "train.keep_checkpoints=2"]
 
 
@@ -27,40 +26,29 @@ def _spec(out, *overrides):
     return load_experiment(experiment_file("quickstart.yaml"), [*COMMON, f"output_dir={out}", *overrides])
 
 
-# A worker is killed under data parallel, ZeRO-3 and tensor parallel (model-parallel): each run must
-# end equal to its uninterrupted twin.
-STRATEGIES = {
-    "ddp": "strategy={name: ddp}",
-    "zero-3": "strategy={name: zero-3}",
-    "megatron": "strategy={name: megatron, tensor_parallel: 2}",
-}
-
-
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, tmp_path_factory):
-    """uninterrupted(strategy) -> the records of the run every failure case must end equal to."""
-    runs = {}
-
-    def get(name):
-        if name not in runs:
-            spec = _spec(tmp_path_factory.mktemp(f"straight-{name}"), "train.max_steps=8", STRATEGIES[name])
-            result = run_experiment(spec, log=lambda *_: None)
-            assert result.error is None
-            runs[name] = result.records
-        return runs[name]
-
-    return get
+def straight(ray_cluster, tmp_path_factory):
+    """The uninterrupted run every failure case must end equal to."""
+    result = run_experiment(_spec(tmp_path_factory.mktemp("straight"), "train.max_steps=8"), log=lambda *_: None)
+    assert result.error is None
+    return result.records
 
 
-@pytest.fixture(scope="module")
-def straight(uninterrupted):
-    return uninterrupted("ddp")
-
-
-def _assert_same_end(records, straight):
+def _assert_same_end(records, straight, rel=0.0):
     assert [r["step"] for r in records] == [r["step"] for r in straight]  # none lost, none duplicated
-    for key in ("train_loss", "val_loss", "samples_seen"):
-        assert records[-1][key] == pytest.approx(straight[-1][key], abs=1e-6), key
+    assert records[-1]["samples_seen"] == straight[-1]["samples_seen"]
+    for key in ("train_loss", "val_loss"):
+        assert records[-1][key] == pytest.approx(straight[-1][key], abs=1e-6, rel=rel), key
+
+
+# A worker is killed under data parallel, ZeRO-3 and tensor parallel (model-parallel). Each run must end
+# as the uninterrupted DDP run does: without clipping, zero-3 trains DDP's numbers bit for bit and
+# megatron to float rounding (tests/test_zero.py, tests/test_megatron.py), so one reference serves.
+STRATEGIES = {
+    "ddp": ("strategy={name: ddp}", 0.0),
+    "zero-3": ("strategy={name: zero-3}", 0.0),
+    "megatron": ("strategy={name: megatron, tensor_parallel: 2}", 1e-5),
+}
 
 
 @pytest.mark.ray
@@ -81,9 +69,9 @@ def test_resume_skips_a_damaged_checkpoint_and_ends_equal(straight, tmp_path, ca
 
 @pytest.mark.ray
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_killed_worker_is_replaced_and_the_run_ends_equal(uninterrupted, tmp_path, strategy):
-    straight = uninterrupted(strategy)
-    spec = _spec(tmp_path, "train.max_steps=8", "train.max_failures=1", STRATEGIES[strategy])
+def test_killed_worker_is_replaced_and_the_run_ends_equal(straight, tmp_path, strategy):
+    override, rel = STRATEGIES[strategy]
+    spec = _spec(tmp_path, "train.max_steps=8", "train.max_failures=1", override)
     done = {}
     thread = threading.Thread(target=lambda: done.update(result=run_experiment(spec, log=lambda *_: None)))
     thread.start()
@@ -100,7 +88,7 @@ def test_killed_worker_is_replaced_and_the_run_ends_equal(uninterrupted, tmp_pat
     assert result.error is None
     assert any(r.get("resumed_from_step") is not None for r in result.records)  # it did lose the worker
     assert result.records[-1]["strategy"] == strategy
-    _assert_same_end(result.records, straight)
+    _assert_same_end(result.records, straight, rel)
 
 
 def _checkpoint(tmp_path, world=2):

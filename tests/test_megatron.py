@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist import run_ranks
-from engines import experiment
+from raytrain_par.local_group import run_ranks
+from engines import experiment, exported_gpt2_val_loss
 from raytrain_par import config, models, strategies
 from raytrain_par.data.loader import MemoryLoader, eval_batches
 from raytrain_par.data.shards import DatasetInfo, read_split
@@ -326,6 +326,8 @@ def test_megatron_through_ray_matches_single_process(ray_cluster, runs, tmp_path
     checkpoints = sorted(p for p in (tmp_path / "parity" / "train").glob("checkpoint_*") if p.is_dir())
     assert checkpoints and {p.name for p in checkpoints[-1].iterdir()} >= {
         "megatron-tp0-of-2.pt", "megatron-tp1-of-2.pt", "loop.json"}
+    # `raytrain-par export` joins the shards into a plain GPT-2 that scores the run's validation loss
+    assert exported_gpt2_val_loss(result.results_dir, runs["info"], 16) == pytest.approx(last["val_loss"], abs=1e-5)
 
 
 def test_resume_may_change_the_tensor_parallel_layout_but_not_the_model(tmp_path):

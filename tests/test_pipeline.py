@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from dist import run_ranks
+from raytrain_par.local_group import run_ranks
 from engines import experiment
 from raytrain_par import config, models, strategies
 from raytrain_par.data.loader import MemoryLoader, eval_batches

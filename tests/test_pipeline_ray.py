@@ -4,13 +4,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import experiment_file
+from engines import exported_gpt2_val_loss
 from raytrain_par.config import load_experiment
 from raytrain_par.driver import run_experiment
 
 pytestmark = pytest.mark.ray
 
 
-def test_pipedream_through_ray_records_stages(ray_cluster, tmp_path):
+def test_pipedream_through_ray_records_stages(ray_cluster, tmp_path, info):
     spec = load_experiment(experiment_file("pipeline-staleness.yaml"),
                            [f"output_dir={tmp_path}", "model.n_layer=2", "data.seq_len=32", "data.vocab_size=512",
                             "data.max_val_samples=64", "train.max_steps=12", "train.eval_every_steps=6",
@@ -28,3 +29,7 @@ def test_pipedream_through_ray_records_stages(ray_cluster, tmp_path):
     assert len(last["mem_activation_bytes_per_worker"]) == 2 and last["mem_activation_bytes"] > 0
     assert 0 <= last["bubble_fraction"] < 1 and len(last["stage_bubble_fraction"]) == 2
     assert records[0]["bubble_fraction"] is None  # before the first step
+    # `raytrain-par export` joins the stages (and the untied embedding / LM head) into a plain GPT-2
+    # that scores the run's last validation loss
+    kjv = info("kjv", seq_len=32, vocab_size=512)
+    assert exported_gpt2_val_loss(result.results_dir, kjv, 64) == pytest.approx(last["val_loss"], abs=1e-5)

@@ -4,7 +4,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import experiment_file
-from dist import run_ranks
+from raytrain_par.local_group import run_ranks
 from engines import experiment, train_steps
 from raytrain_par.config import load_experiment, parse
 from raytrain_par.driver import run_experiment

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist import run_ranks
-from engines import experiment, train_steps
+from raytrain_par.local_group import run_ranks
+from engines import experiment, exported_gpt2_val_loss, train_steps
 from raytrain_par import config, models, strategies
 from raytrain_par.data.loader import MemoryLoader
 from raytrain_par.data.shards import DatasetInfo, read_split
@@ -193,9 +193,6 @@ def test_zero3_through_ray_resumes_exactly_and_exports_a_plain_model(ray_cluster
     """Two Ray runs of zero-3 on 2 workers -- 4 steps, then resumed to 6 from the checkpoint the
     first wrote -- train exactly the steps one uninterrupted process group trains; `export` then
     writes a GPT-2 that transformers loads with every key and that scores the run's validation loss."""
-    from transformers import GPT2LMHeadModel
-
-    from raytrain_par.cli import main
     from raytrain_par.driver import run_experiment
 
     steps = 6
@@ -217,17 +214,8 @@ def test_zero3_through_ray_resumes_exactly_and_exports_a_plain_model(ray_cluster
         assert r["strategy"] == "zero-3"
         assert r["mem_model_state_bytes"] > 0 and r["mem_model_state_theory_bytes"] > 0
 
-    out = tmp_path / "exported"
-    assert main(["export", str(resumed.results_dir), "--out", str(out)]) == 0
-    model, loading = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
-    assert not loading["missing_keys"] and not loading["unexpected_keys"]
-    data_info = DatasetInfo.from_json(info("kjv"))
-    task = models.build(config.ModelSpec(name="gpt2-tiny"), data_info, 0)[1]
-    val = read_split(data_info, data_info.val_path)
-    batch = {k: v[:32] for k, v in val.items()}
-    with torch.no_grad():
-        sums = task.eval_sums(model.eval(), task.prepare(batch, torch.device("cpu")))
-    assert float(sums[0] / sums[1]) == pytest.approx(records[-1]["val_loss"], abs=1e-5)
+    val_loss = exported_gpt2_val_loss(resumed.results_dir, info("kjv"), 32)
+    assert val_loss == pytest.approx(records[-1]["val_loss"], abs=1e-5)
 
 
 def test_estimate_prints_each_strategy_and_flags_what_does_not_fit(capsys):

@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..metrics.memory import Sharding, StateBytes, optimizer_state_bytes
+from ..metrics.memory import Sharding, StateBytes
 from .base import DTYPES, DistContext, Engine, build_optimizer, check_host_memory, load_tensors, lr_factor, split_batch
 
 

@@ -1,0 +1,75 @@
+"""Run a function on N local processes joined in one torch.distributed process group, and collect
+what each rank returns: how the strategies' math is tested in seconds, and how the benchmarks
+measure strategies in plain process groups, without Ray.
+
+Written here because torch.multiprocessing.spawn neither returns the ranks' results nor reports
+every failing rank's traceback; real runs get their process groups from Ray Train.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .metrics.memory import MALLOC_ENV
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, backend, threads, group_of_one, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        if world > 1 or group_of_one:
+            dist.init_process_group(backend, rank=rank, world_size=world)
+        buf = io.BytesIO()  # tensors travel as bytes: a queue would share them through the child's memory
+        torch.save(fn(rank, world, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - report any failure to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, backend: str = "gloo", threads: int = 1, group_of_one: bool = False,
+              timeout: float = 300.0) -> list:
+    """fn(rank, world, *args) on `world` fresh processes (spawned: `fn` must be importable, i.e.
+    defined at module level); returns the results ordered by rank, or raises with every failing
+    rank's traceback. A group is initialised when world > 1, or always with `group_of_one`."""
+    ctx = mp.get_context("spawn")
+    os.environ.update(MALLOC_ENV)  # read by each child's C library at start-up (memory accounting)
+    if backend == "gloo":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, backend, threads, group_of_one, fn, args, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    for _ in range(world):
+        rank, status, value = queue.get()
+        if status == "error":
+            errors.append(f"rank {rank}:\n{value}")
+        else:
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    for p in procs:
+        p.join(timeout)
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
