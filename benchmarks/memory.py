@@ -28,18 +28,16 @@ Prints a Markdown table and writes the rows as JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from common import write_json  # noqa: E402
 from raytrain_par import config, data, models, strategies  # noqa: E402
 from raytrain_par.data.loader import MemoryLoader  # noqa: E402
 from raytrain_par.data.shards import DatasetInfo, read_split  # noqa: E402
@@ -84,7 +82,7 @@ def main(argv=None) -> int:
                    help="override a field of the experiment, as `raytrain-par run --set`")
     p.add_argument("--steps", type=int, default=3, help="steps per measurement (>= 2: optimizer state exists "
                    "from the second on)")
-    p.add_argument("--out", default=str(REPO / ".bench" / "memory.json"))
+    p.add_argument("--out", help="JSON file (default: benchmarks/results/memory.json)")
     args = p.parse_args(argv)
 
     spec = config.load_experiment(args.experiment, args.overrides)
@@ -136,18 +134,9 @@ def main(argv=None) -> int:
                                or (row["note"] != "" and abs(row["measured_per_param"] / row["by_design_per_param"] - 1) <= 0.10))
 
     print(table(rows))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"experiment": spec.to_dict(), "machine": machine(), "rows": rows}, indent=1))
+    out = write_json("memory", {"experiment": spec.to_dict(), "rows": rows}, args.out)
     print(f"\n{len(rows)} rows in {out}")
     return 0
-
-
-def machine() -> dict:
-    import platform
-
-    return {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-            "torch": torch.__version__, "python": platform.python_version()}
 
 
 def table(rows: list[dict]) -> str:

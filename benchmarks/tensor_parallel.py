@@ -80,9 +80,10 @@ def measure(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: int,
         activations = saved.peak if saved is not None else activations
     mem = engine.memory()
     tp = getattr(engine, "tp", None)
+    # model states from the census of live tensors: the allocator's count would hold the batches above
     return {
         "step_time_s": statistics.median(times[1:]), "mem_param_bytes": mem["mem_param_bytes"],
-        "mem_model_state_bytes": mem["mem_model_state_bytes"], "mem_activation_bytes": activations,
+        "mem_model_state_bytes": mem["mem_model_state_census_bytes"], "mem_activation_bytes": activations,
         "mem_peak_bytes": mem["mem_peak_bytes"],
         "tp_allreduce_bytes": mem.get("comm_tp_allreduce_bytes_per_step", 0),
         "dp_allreduce_bytes": mem.get("comm_dp_allreduce_bytes_per_step", ddp_bytes["bytes"]),

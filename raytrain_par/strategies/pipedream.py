@@ -60,7 +60,7 @@ from torch.func import functional_call
 
 from ..metrics.memory import SavedActivations
 from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
-from .stages import Busy, Interval, Pipeline, validate_layout
+from .stages import Busy, Interval, Pipeline, StagedLayout, validate_layout
 
 
 @dataclass
@@ -110,7 +110,7 @@ class _InFlight:
     params: dict[str, torch.Tensor]  # the weights the forward pass used
 
 
-class PipeDreamEngine(Engine):
+class PipeDreamEngine(StagedLayout, Engine):
     Options = Options
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
@@ -156,19 +156,6 @@ class PipeDreamEngine(Engine):
         self.busy, self.bubble = Busy(self.device), Interval()
         self.activations = SavedActivations()
         self.stash_now = self.stash_peak = 0
-
-    # -- layout -------------------------------------------------------------------------------------
-    @property
-    def dp_rank(self) -> int:
-        return self.pipe.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.pipe.D
-
-    @property
-    def dp_group(self):
-        return self.pipe.dp_group
 
     @property
     def first(self) -> bool:
@@ -407,6 +394,14 @@ class PipeDreamEngine(Engine):
         self._receive_tied_updates(before=self.calls * self.m)  # the copies as the next forward passes see them
         sums = self.dp_sum(self.pipe.eval_sums(batches, self.task, self.eval_group))
         return self.task.summarize(*[float(x) for x in sums])
+
+    def model_state(self) -> dict[str, int]:
+        # A stage updates while microbatches are in flight (the pipeline never drains): the activations
+        # autograd holds for them are in the allocator's count then, and are not model state.
+        out = super().model_state()
+        out["mem_model_state_bytes"] = max(out["mem_model_state_census_bytes"],
+                                           out["mem_model_state_bytes"] - self.activations.now)
+        return out
 
     def census(self) -> dict[str, int]:
         from ..metrics.memory import model_state_census, optimizer_tensors

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..metrics.memory import SavedActivations
 from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
-from .stages import Busy, Interval, Pipeline, validate_layout
+from .stages import Busy, Interval, Pipeline, StagedLayout, validate_layout
 
 SCHEDULES = {
     "gpipe": pipelining.ScheduleGPipe,
@@ -112,7 +112,7 @@ class _TimedStage(pipelining.PipelineStage):
             return super().backward_weight_one_chunk(*args, **kwargs)
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(StagedLayout, Engine):
     Options = Options
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
@@ -142,19 +142,6 @@ class PipelineEngine(Engine):
         self.module = nn.ModuleList(self.pipe.modules.values())
         self.optimizer = build_optimizer(self.module, train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train, total_steps))
-
-    # -- layout: every stage of one pipeline reads the same rows -----------------------------------
-    @property
-    def dp_rank(self) -> int:
-        return self.pipe.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.pipe.D
-
-    @property
-    def dp_group(self):
-        return self.pipe.dp_group
 
     # -- training ---------------------------------------------------------------------------------
     def train_step(self, batch):

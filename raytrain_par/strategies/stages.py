@@ -129,6 +129,25 @@ def partition(costs: list[float], parts: int) -> list[int]:
     return sorted(points)[1:]
 
 
+class StagedLayout:
+    """The data-parallel layout of engines built on a `Pipeline` (mixed in before `Engine`): every
+    stage of one pipeline reads the same rows, and replicas of a stage form the data-parallel group."""
+
+    pipe: "Pipeline"
+
+    @property
+    def dp_rank(self) -> int:
+        return self.pipe.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.pipe.D
+
+    @property
+    def dp_group(self):
+        return self.pipe.dp_group
+
+
 class Pipeline:
     """A model split into `num_stages` stages over the (pipeline x data) grid; this rank's stages.
 
