@@ -17,7 +17,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -222,9 +222,20 @@ class Engine(ABC):
         theory = model_state_theory(cls.sharding, dp, train.precision, optimizer_state_bytes(train)) * num_params
         return StateBytes(theory, theory)
 
+    def optimizer_step(self, step: Callable[[], None] | None = None) -> None:
+        """The optimizer step (`step`, default `self.optimizer.step`) with the model states measured
+        right before and right after it, then the gradients freed and the schedule (if the engine
+        has one) advanced."""
+        self.note_memory()
+        (step or self.optimizer.step)()
+        self.note_memory()
+        self.optimizer.zero_grad(set_to_none=True)
+        if getattr(self, "scheduler", None) is not None:
+            self.scheduler.step()
+
     def note_memory(self) -> None:
-        """Called by train_step right before and right after the optimizer step (before gradients
-        are freed): model states peak at one of the two moments, once the optimizer has its state."""
+        """Called right before and right after the optimizer step (before gradients are freed):
+        model states peak at one of the two moments, once the optimizer has its state."""
         now = self.model_state()
         if now["mem_model_state_bytes"] >= self._peak_state.get("mem_model_state_bytes", -1):
             self._peak_state = now

@@ -85,16 +85,12 @@ class DDPEngine(Engine):
             self.scaler.unscale_(self.optimizer)
         if self.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
-        self.note_memory()
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.note_memory()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.optimizer_step(self._scaled_step if self.scaler else None)
         return total
+
+    def _scaled_step(self) -> None:
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
 
     def eval_module(self):
         return self.model

@@ -117,11 +117,7 @@ class FSDPEngine(Engine):
             total += loss.detach()
         if self.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.train.grad_clip)
-        self.note_memory()
-        self.optimizer.step()
-        self.note_memory()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.optimizer_step()
         return total
 
     # -- checkpoints: this rank's shards as plain tensors ----------------------------------------

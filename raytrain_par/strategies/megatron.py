@@ -284,11 +284,7 @@ class MegatronEngine(Engine):
             total += loss.detach()
         if self.train.grad_clip:
             self.clip_grad_norm(self.train.grad_clip)
-        self.note_memory()
-        self.optimizer.step()
-        self.note_memory()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.optimizer_step()
         self.step_comm = {"comm_tp_allreduce_bytes_per_step": self.tp.bytes_reduced,
                           "comm_dp_allreduce_bytes_per_step": self.dp_bytes}
         return total

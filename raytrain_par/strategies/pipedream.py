@@ -314,10 +314,7 @@ class PipeDreamEngine(StagedLayout, Engine):
             self._stash()
         for group in self.optimizer.param_groups:
             group["lr"] = self.train.lr * self.lr_factor(u)
-        self.note_memory()
-        self.optimizer.step()
-        self.note_memory()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_step()
         self.version += 1
         del grads
 

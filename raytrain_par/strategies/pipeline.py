@@ -163,11 +163,7 @@ class PipelineEngine(StagedLayout, Engine):
         pipe.reduce_grads()
         if self.train.grad_clip:
             pipe.clip_grads(self.train.grad_clip)
-        self.note_memory()
-        self.optimizer.step()
-        self.note_memory()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.optimizer_step()
         return pipe.from_last(total)
 
     @torch.no_grad()
