@@ -6,7 +6,7 @@ experiments/zero-memory.yaml: a ~26M-parameter GPT-2, ddp / zero-1 / zero-2 / ze
 what each worker holds:
 
 - measured: model-state bytes the allocator holds (see raytrain_par/metrics/memory.py: glibc's
-  mallinfo2 with MALLOC_MMAP_THRESHOLD_=65536 on CPU, torch.cuda statistics on GPU), the largest
+  mallinfo2 on CPU, torch.cuda statistics on GPU), the largest
   worker, per parameter;
 - theory: bytes per parameter with Adam(W) on N workers -- fp32: DDP 16, ZeRO-1 8 + 8/N,
   ZeRO-2 4 + 12/N, ZeRO-3 and FSDP 16/N; mixed precision: DDP 16, ZeRO-1 4 + 12/N,
@@ -42,6 +42,7 @@ from raytrain_par import config, data, models, strategies  # noqa: E402
 from raytrain_par.data.loader import MemoryLoader  # noqa: E402
 from raytrain_par.data.shards import DatasetInfo, read_split  # noqa: E402
 from raytrain_par.local_group import run_ranks  # noqa: E402
+from raytrain_par.metrics.memory import return_freed_memory  # noqa: E402
 from raytrain_par.strategies import DistContext  # noqa: E402
 
 NOTES = {
@@ -52,6 +53,7 @@ NOTES = {
 
 
 def _measure_rank(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: int) -> dict:
+    return_freed_memory()  # peak resident memory that follows what is in use (see metrics/memory.py)
     spec, info = config.from_dict(spec_dict), DatasetInfo.from_json(info_dict)
     arrays = read_split(info, info.train_path)  # before the engine: data is not model state
     model, task = models.build(spec.model, info, spec.train.seed)

@@ -33,7 +33,6 @@ from .config import ExperimentSpec
 from .data.shards import DatasetInfo
 from .errors import ConfigError, UserError
 from .metrics.efficiency import summarize
-from .metrics.memory import MALLOC_ENV
 from .metrics.records import RecordWriter, merge, progress_line, read_records, table, write_table
 from .worker import quiet_ray_logs, steps_per_epoch, train_loop_per_worker
 
@@ -72,7 +71,6 @@ def worker_env(spec: ExperimentSpec | None = None) -> dict[str, str]:
     """Environment of every Ray process of a run (Ray passes it through the job's runtime_env)."""
     cpus = spec.scaling.cpus_per_worker if spec else 1
     env = {
-        **MALLOC_ENV,  # large tensors as mmaps of their own: memory accounting sees what is held
         "OMP_NUM_THREADS": str(max(1, int(cpus))),
         "TOKENIZERS_PARALLELISM": "false",
         "RAY_DATA_DISABLE_PROGRESS_BARS": "1",

@@ -17,8 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .metrics.memory import MALLOC_ENV
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -51,7 +49,6 @@ def run_ranks(world: int, fn, *args, backend: str = "gloo", threads: int = 1, gr
     defined at module level); returns the results ordered by rank, or raises with every failing
     rank's traceback. A group is initialised when world > 1, or always with `group_of_one`."""
     ctx = mp.get_context("spawn")
-    os.environ.update(MALLOC_ENV)  # read by each child's C library at start-up (memory accounting)
     if backend == "gloo":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     queue = ctx.SimpleQueue()

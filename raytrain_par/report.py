@@ -5,6 +5,7 @@ Writes into RESULTS_DIR (or --out):
     convergence_wall_time.png   validation metric against wall time, one line per trial
     convergence_epochs.png      the same against epochs
     epoch_time.png              time per epoch against worker count, one line per strategy (and batch)
+    mfu.png                     model FLOPs utilisation against worker count, beside it
     memory.png                  peak and model-state memory per worker against worker count
     summary.md                  the ranking (time to target first) and the figures
 """
@@ -111,18 +112,22 @@ def _mib(n):
     return n / 2**20 if n else None
 
 
+def _pct(x):
+    return None if x is None else 100 * x
+
+
 def _markdown_table(rows: list[dict], metric: str) -> str:
     def f(v, fmt):
         return "–" if v is None else format(v, fmt)
     lines = [f"| # | trial | strategy | workers | batch | lr | time to target (s) | epochs to target | best "
-             f"{metric} | s/step | samples/s | peak MiB/worker | model-state MiB/worker | status |",
-             "|" + "---|" * 14]
+             f"{metric} | s/step | samples/s | MFU % | exposed comm % | peak MiB/worker | model-state MiB/worker | status |",
+             "|" + "---|" * 16]
     for i, r in enumerate(rows):
         lines.append("| " + " | ".join([
             str(i + 1), r["trial"], r["strategy"], str(r["num_workers"]), str(r["global_batch_size"]),
             f(r.get("lr"), ".3g"), f(r.get("time_to_target_s"), ".1f"), f(r.get("epochs_to_target"), ".2f"),
             f(r.get("best_metric"), ".4g"), f(r.get("mean_step_time_s"), ".3f"), f(r.get("throughput"), ".1f"),
-            f(_mib(r.get("mem_peak_bytes")), ".0f"), f(_mib(r.get("mem_model_state_bytes")), ".1f"),
+            f(_pct(r.get("mfu")), ".1f"), f(_pct(r.get("comm_fraction")), ".1f"), f(_mib(r.get("mem_peak_bytes")), ".0f"), f(_mib(r.get("mem_model_state_bytes")), ".1f"),
             r.get("status") or "completed"]) + " |")
     return "\n".join(lines)
 
@@ -139,21 +144,27 @@ def write_report(results_dir: str | Path, out: str | Path | None = None) -> list
     rows = rank(trials, mode)
     name = records[0]["experiment"]
     files = [out / "convergence_wall_time.png", out / "convergence_epochs.png", out / "epoch_time.png",
-             out / "memory.png"]
+             out / "mfu.png", out / "memory.png"]
     _convergence(groups, metric, target, "wall_time_s", "wall time of training (s)",
                  f"{name}: {LABELS.get(metric, metric)} against wall time", files[0])
     _convergence(groups, metric, target, "epoch", "epochs", f"{name}: {LABELS.get(metric, metric)} against epochs",
                  files[1])
     _scaling(rows, [(lambda r: r.get("epoch_time_s"), "", "-")], "time per epoch (s)", f"{name}: time per epoch",
              files[2])
+    peaks = sorted({r["peak_source"] for r in records if r.get("peak_source")})
+    _scaling(rows, [(lambda r: None if r.get("mfu") is None else 100 * r["mfu"], "", "-")],
+             "model FLOPs utilisation (%)", f"{name}: MFU per worker" + (f"\n(peak: {peaks[0]})" if len(peaks) == 1 else ""),
+             files[3])
     _scaling(rows, [(lambda r: _mib(r.get("mem_peak_bytes")), " peak", "-"),
                     (lambda r: _mib(r.get("mem_model_state_bytes")), " model states", "--")],
-             "memory per worker (MiB)", f"{name}: memory per worker", files[3])
+             "memory per worker (MiB)", f"{name}: memory per worker", files[4])
     summary = out / "summary.md"
     target_text = f", target {metric} {'>=' if mode == 'max' else '<='} {target:g}" if target is not None else ""
     summary.write_text(
         f"# {name}\n\n{len(rows)} trial(s), ranked by time to target{target_text}, then by best {metric}.\n\n"
         f"{_markdown_table(rows, metric)}\n\n"
-        "Wall time counts training steps only (not evaluation, checkpoints, reporting or start-up).\n\n"
+        "Wall time counts training steps only (not evaluation, checkpoints, reporting or start-up). MFU: model "
+        "FLOPs per step over the training time, per worker, against the peak each record names; exposed comm: "
+        "the share of a profiled step spent waiting for communication.\n\n"
         + "".join(f"![{f.stem}]({f.name})\n\n" for f in files))
     return [*files, summary]

@@ -29,9 +29,11 @@ from . import checkpoints, models, strategies
 from .config import ExperimentSpec
 from .data.loader import MemoryLoader, StreamLoader, eval_batches
 from .data.shards import DatasetInfo
+from .metrics import flops
 from .metrics.records import RecordWriter, merge, progress_line
+from .metrics.timeline import profiled_step
 from .strategies import DistContext, Engine
-from .strategies.base import WEIGHTS_FILE, write_weights
+from .strategies.base import DTYPES, WEIGHTS_FILE, write_weights
 
 
 @dataclass
@@ -91,6 +93,10 @@ class Trainer:
         model, self.task = models.build(spec.model, info, spec.train.seed)
         self.total_steps = spec.total_steps(steps_per_epoch(spec, info))
         self.engine = strategies.build_engine(spec.strategy, model, self.task, spec.train, ctx, self.total_steps)
+        # Counted and probed once, before training: a second or less on any model and device.
+        self.flops_per_step = flops.model_flops_per_step(spec.model, info, spec.train.global_batch_size)
+        self.peak_tflops, self.peak_source, self.probe_tflops = flops.peak(ctx.device, DTYPES[spec.train.precision])
+        self.comm_fraction: float | None = None  # of the latest profiled step
         self.loader = train_loader(self.engine)
         assert self.loader.steps_per_epoch == steps_per_epoch(spec, info)
         self.state = LoopState()
@@ -111,11 +117,20 @@ class Trainer:
         if state.step == 0 and spec.train.eval_at_start and state.evals == 0:
             self._evaluate_and_report(train_loss=None, interval_s=0.0, interval_steps=0, t_begin=t_begin)
         every, steps_per_epoch = spec.train.eval_every_steps, self.loader.steps_per_epoch
-        running, steps_in_interval, t_interval = torch.zeros(()), 0, time.perf_counter()
-        stop = False
+        # The loss stays on the device until an evaluation: reading it every step would make the
+        # host wait for the device every step (on GPUs, a stall of its own).
+        running, steps_in_interval, t_interval = torch.zeros((), device=self.engine.device), 0, time.perf_counter()
+        stop, start_step = False, state.step
         while state.step < self.total_steps and not stop:
             for batch in self.loader.epoch(state.epoch, state.step_in_epoch):
-                running = running + self.engine.train_step(batch).float().cpu()
+                self.engine.measure_memory = self._measures_memory(state.step, start_step)
+                if self._profiles(state.step, start_step):
+                    with profiled_step(self.engine.device) as sample:
+                        loss = self.engine.train_step(batch)
+                    self.comm_fraction = sample["comm_fraction"]
+                else:
+                    loss = self.engine.train_step(batch)
+                running = running + loss.detach().float()
                 steps_in_interval += 1
                 state.step += 1
                 state.step_in_epoch += 1
@@ -125,15 +140,44 @@ class Trainer:
                     state.epoch, state.step_in_epoch = state.epoch + 1, 0
                 last = state.step >= self.total_steps
                 if last or (every and state.step % every == 0) or (every is None and epoch_done):
-                    local_mean = running / steps_in_interval  # .cpu() above waited for the device
+                    local_mean = (running / steps_in_interval).cpu()  # waits for the device's last step
                     interval_s = time.perf_counter() - t_interval
                     state.wall_time_s += interval_s
                     train_loss = float(self.engine.dp_sum(local_mean.to(self.engine.device)).cpu()) / self.engine.dp_size
                     stop = self._evaluate_and_report(train_loss, interval_s, steps_in_interval, t_begin, last)
-                    running, steps_in_interval, t_interval = torch.zeros(()), 0, time.perf_counter()
+                    running = torch.zeros((), device=self.engine.device)
+                    steps_in_interval, t_interval = 0, time.perf_counter()
                 if epoch_done or last or stop:
                     break
         return self.records
+
+    #: steps at the start of each run (and of each resumed run) whose model states are measured
+    MEASURED_FIRST_STEPS = 3
+
+    def _measures_memory(self, step: int, start_step: int) -> bool:
+        """Whether the step after `step` measures model states: the first few steps of this process
+        (the optimizer's state appears on the first, so states have settled by the second) and the
+        last step before each evaluation, so that every record's figure is fresh. Other steps skip
+        the measurement; it costs a census of every tensor and the allocator's statistics."""
+        if step - start_step < self.MEASURED_FIRST_STEPS:
+            return True
+        nxt, every = step + 1, self.spec.train.eval_every_steps
+        if nxt >= self.total_steps:
+            return True
+        if every:
+            return nxt % every == 0
+        return (self.state.step_in_epoch + 1) == self.loader.steps_per_epoch
+
+    #: steps between two profiled steps (see `_profiles`)
+    PROFILE_EVERY = 100
+
+    def _profiles(self, step: int, start_step: int) -> bool:
+        """Whether the step after `step` runs under torch's profiler, which tells how much of it was
+        spent waiting for communication (`comm_fraction`, see metrics/timeline.py): the first step
+        after those that measure memory, then every PROFILE_EVERY steps. A profiled step runs a
+        little slower; sampling keeps that out of the wall time."""
+        done = step - start_step - self.MEASURED_FIRST_STEPS
+        return done >= 0 and done % self.PROFILE_EVERY == 0
 
     def _evaluate_and_report(self, train_loss: float | None, interval_s: float, interval_steps: int, t_begin: float,
                              last: bool = False) -> bool:
@@ -156,7 +200,7 @@ class Trainer:
             "val_accuracy": val.get("val_accuracy"), "lr": self.engine.lr,
             "throughput": interval_steps * spec.train.global_batch_size / interval_s if interval_s else None,
             "step_time_s": interval_s / interval_steps if interval_steps else None,
-            "eval_time_s": state.eval_time_s, "target_met": met,
+            "eval_time_s": state.eval_time_s, "target_met": met, **self._utilisation(interval_s, interval_steps),
             "timestamp": time.time(), "started_at": self.started_at, "resumed_from_step": self.resumed_from,
             **self.engine.memory(),
         }
@@ -177,6 +221,18 @@ class Trainer:
             if checkpoint is not None:
                 shutil.rmtree(checkpoint, ignore_errors=True)
         return stop
+
+    def _utilisation(self, interval_s: float, interval_steps: int) -> dict:
+        """Model FLOPs per step, what this worker achieved of them over the interval, its peak and
+        MFU (see metrics/flops.py); no utilisation for a record without steps."""
+        out = {"model_flops_per_step": self.flops_per_step, "peak_tflops": self.peak_tflops,
+               "peak_source": self.peak_source, "probe_tflops": self.probe_tflops,
+               "achieved_tflops": None, "mfu": None, "comm_fraction": self.comm_fraction}
+        if interval_steps and interval_s > 0:
+            step_s, workers = interval_s / interval_steps, self.ctx.world_size
+            out["achieved_tflops"] = flops.achieved_tflops(self.flops_per_step, step_s, workers)
+            out["mfu"] = flops.mfu(self.flops_per_step, step_s, workers, self.peak_tflops)
+        return out
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _save(self, directory: Path) -> None:

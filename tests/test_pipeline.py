@@ -201,7 +201,10 @@ def _check_parity(results, cases):
         for r in ranks[1:]:
             assert r["losses"] == ranks[0]["losses"], what  # every rank returns the pipeline's loss
         assert ranks[0]["losses"] == pytest.approx(ranks[0]["reference"], abs=1e-5, rel=1e-5), what
-        assert ranks[0]["weights_diff"] < 1e-5, what
+        # Weights after a few AdamW steps (lr 1e-3): its normalised step turns a rounding difference in
+        # a near-zero gradient into a difference of a fraction of lr in that one weight (1.3e-5 seen
+        # for gpipe on a CPU with other matmul kernels), so the bound is a tenth of lr.
+        assert ranks[0]["weights_diff"] < 1e-4, what
         assert len(set(ranks[0]["reference"])) == len(ranks[0]["reference"])  # and the model changes
 
 
@@ -227,6 +230,18 @@ def test_activation_memory_follows_the_schedule(two_ranks):
         assert held == pytest.approx(min(4, 2 - p) * per_microbatch[p], rel=0.01)
     assert sum(gpipe["stage_param_bytes"]) > gpipe["stage_param_bytes"][0] > 0
     assert gpipe["bubble_fraction"] is not None and 0 <= gpipe["bubble_fraction"] < 1
+    assert gpipe["bubble_theory"] == pytest.approx((2 - 1) / (4 + 2 - 1))  # (P - 1) / (M + P - 1)
+
+
+@pytest.mark.parametrize("schedule, virtual, theory", [
+    ("gpipe", None, 3 / 19), ("1f1b", None, 3 / 19), ("interleaved-1f1b", 2, 3 / 35),
+    ("interleaved-1f1b", 4, 3 / 67), ("zero-bubble", 2, None), ("zbv", None, None)])
+def test_bubble_theory_of_each_schedule(schedule, virtual, theory):
+    """P = 4 workers, M = 16 microbatches: (P - 1) / (V M + P - 1), V stages per worker."""
+    from raytrain_par.strategies.pipeline import Options
+
+    got = Options(stages=4, schedule=schedule, microbatches=16, virtual_stages=virtual).bubble_theory()
+    assert got == (None if theory is None else pytest.approx(theory))
 
 
 def test_resumed_pipeline_equals_uninterrupted(two_ranks):

@@ -33,6 +33,10 @@ def test_quickstart_trains_and_writes_records(ray_cluster, tmp_path):
     assert last["mem_model_state_bytes"] > 0 and last["mem_peak_bytes"] > last["mem_model_state_bytes"]
     assert 0 < last["wall_time_s"] <= last["elapsed_s"]
     assert last["throughput"] > 0
+    # hardware efficiency: per-worker figures, the record holding the largest
+    assert len(last["mfu_per_worker"]) == 2 and last["mfu"] == max(last["mfu_per_worker"])
+    assert 0 < last["mfu"] <= 1 and last["model_flops_per_step"] > 0 and last["peak_source"].startswith("matmul probe")
+    assert 0 < last["comm_fraction"] < 1  # two workers all-reduce gradients; some of it is exposed
 
 
 def test_ddp_through_ray_matches_single_process(ray_cluster, tmp_path, info):

@@ -30,6 +30,11 @@ def test_workers_by_batch_sweep_and_report(ray_cluster, tmp_path):
         assert t["time_to_target_s"] == crossing(records, "val_perplexity", 6500.0, "min", "wall_time_s")
         if t["time_to_target_s"] is not None:
             assert 0 <= t["time_to_target_s"] <= records[-1]["wall_time_s"]
+        # hardware efficiency over the run: all model FLOPs over all training time, against the probe
+        last = records[-1]
+        assert t["mfu"] == pytest.approx(last["model_flops_per_step"] * 4 / last["wall_time_s"]
+                                         / last["num_workers"] / (last["peak_tflops"] * 1e12))
+        assert 0 < t["mfu"] <= 1 and t["comm_fraction"] is not None and 0 <= t["comm_fraction"] < 1
     # same global batch, same losses, whatever the worker count; lr follows the batch (sqrt rule)
     assert trials["w1-b32"]["final_val_loss"] == pytest.approx(trials["w2-b32"]["final_val_loss"], abs=1e-5)
     assert trials["w1-b16"]["lr"] == pytest.approx(trials["w1-b32"]["lr"] / 2 ** 0.5)
@@ -38,8 +43,9 @@ def test_workers_by_batch_sweep_and_report(ray_cluster, tmp_path):
     files = write_report(tmp_path / "sweep-workers-batch")
     for f in files:
         assert f.stat().st_size > 1000, f
+    assert "mfu.png" in {f.name for f in files}
     summary = files[-1].read_text()
-    assert all(name in summary for name in trials) and "time to target" in summary
+    assert all(name in summary for name in trials) and "time to target" in summary and "MFU %" in summary
 
 
 def test_asha_stops_a_poor_trial_and_frees_its_resources(ray_cluster, tmp_path):

@@ -53,6 +53,11 @@ def summarize(records: list[dict], metric: str | None = None, target: float | No
         "mem_peak_bytes": max((r.get("mem_peak_bytes") or 0) for r in records),
         "mem_model_state_bytes": max((r.get("mem_model_state_bytes") or 0) for r in records),
         "final_val_loss": last.get("val_loss"),
+        # Over the whole run: every step's model FLOPs over all of its training time.
+        "mfu": (last["model_flops_per_step"] * last["step"] / last["wall_time_s"] / last["num_workers"]
+                / (last["peak_tflops"] * 1e12)
+                if last.get("model_flops_per_step") and last.get("peak_tflops") and last["wall_time_s"] else None),
+        "comm_fraction": _mean_of(records, "comm_fraction"),
     })
     if metric:
         values = [r[metric] for r in records if r.get(metric) is not None]
@@ -64,6 +69,11 @@ def summarize(records: list[dict], metric: str | None = None, target: float | No
             row["samples_to_target"] = crossing(records, metric, target, mode, "samples_seen")
             row["target_reached"] = row["time_to_target_s"] is not None
     return row
+
+
+def _mean_of(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return mean(values) if values else None
 
 
 def rank(rows: list[dict], mode: str = "min") -> list[dict]:

@@ -16,16 +16,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 # Columns every record has, in order. Memory columns (these, and any other `mem_*` column a strategy
-# adds) are per worker, reduced by max.
+# adds) and the hardware-efficiency figures of PER_WORKER are per worker, reduced by max.
 COLUMNS = [
     "experiment", "trial", "strategy", "num_workers", "global_batch_size", "epoch", "step", "samples_seen",
     "wall_time_s", "elapsed_s", "startup_s", "train_loss", "val_loss", "val_perplexity", "val_accuracy", "lr",
     "throughput", "step_time_s", "eval_time_s", "checkpoint_time_s", "target_met", "timestamp", "started_at",
     "resumed_from_step",
+    "model_flops_per_step", "achieved_tflops", "peak_tflops", "peak_source", "probe_tflops", "mfu", "comm_fraction",
     "mem_peak_bytes", "mem_model_state_bytes", "mem_param_bytes", "mem_grad_bytes", "mem_optim_bytes",
     "mem_model_state_census_bytes", "mem_model_state_theory_bytes",
 ]
 MEMORY = [c for c in COLUMNS if c.startswith("mem_")]
+# Each worker probes its own peak, times its own steps and profiles its own waits: the record keeps
+# the largest of each (for comm_fraction, the worker that waited longest).
+PER_WORKER = ["achieved_tflops", "peak_tflops", "probe_tflops", "mfu", "comm_fraction"]
 
 
 def merge(reports: list[dict]) -> dict:
@@ -34,7 +38,7 @@ def merge(reports: list[dict]) -> dict:
     record = {c: first.get(c) for c in COLUMNS if c not in MEMORY}
     # Strategy-specific memory columns (e.g. a pipeline's activation bytes) are per worker like the rest.
     memory = MEMORY + [k for k in first if k.startswith("mem_") and k not in MEMORY]
-    for c in memory:
+    for c in memory + PER_WORKER:
         values = [r.get(c) for r in reports if r.get(c) is not None]
         record[c] = max(values) if values else None
         record[f"{c}_per_worker"] = values
@@ -96,7 +100,8 @@ def progress_line(r: dict) -> str:
     train = "" if r.get("train_loss") is None else f"train_loss {r['train_loss']:.4f}  "
     return (f"[{r['experiment']}/{r['trial']}] step {r['step']:>6}  epoch {r['epoch']:.2f}  "
             f"wall {r['wall_time_s']:7.1f}s  {train}{_metric_text(r)}  "
-            f"{r['throughput'] or 0:8.1f} samples/s  mem/worker {mib(r['mem_peak_bytes'])} MiB peak, "
+            f"{r['throughput'] or 0:8.1f} samples/s" + (f"  MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else "")
+            + f"  mem/worker {mib(r['mem_peak_bytes'])} MiB peak, "
             f"{mib(r['mem_model_state_bytes'])} MiB model states"
             + (f" (theory {mib(r['mem_model_state_theory_bytes'])})" if r.get("mem_model_state_theory_bytes") else "")
             + ("  [target met]" if r.get("target_met") else ""))
@@ -104,8 +109,8 @@ def progress_line(r: dict) -> str:
 
 def table(records: Iterable[dict]) -> str:
     """A fixed-width table of records for the terminal."""
-    head = ["step", "epoch", "wall_s", "train_loss", "val_loss", "val_ppl", "val_acc", "samples/s", "peak_MiB",
-            "states_MiB"]
+    head = ["step", "epoch", "wall_s", "train_loss", "val_loss", "val_ppl", "val_acc", "samples/s", "MFU_%",
+            "peak_MiB", "states_MiB"]
     rows = []
     for r in records:
         rows.append([
@@ -114,7 +119,7 @@ def table(records: Iterable[dict]) -> str:
             "-" if r.get("val_loss") is None else f"{r['val_loss']:.4f}",
             "-" if r.get("val_perplexity") is None else f"{r['val_perplexity']:.1f}",
             "-" if r.get("val_accuracy") is None else f"{r['val_accuracy']:.3f}",
-            f"{r.get('throughput') or 0:.1f}", mib(r.get("mem_peak_bytes")), mib(r.get("mem_model_state_bytes")),
+            f"{r.get('throughput') or 0:.1f}", "-" if not r.get("mfu") else f"{100 * r['mfu']:.1f}", mib(r.get("mem_peak_bytes")), mib(r.get("mem_model_state_bytes")),
         ])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]

@@ -111,6 +111,9 @@ class Engine(ABC):
     #: which model states the strategy divides among its data-parallel ranks, for the theory beside
     #: the measured bytes; None (no theory) unless the engine declares it
     sharding: Sharding | None = None
+    #: whether the next steps measure model states (see `note_memory`); the training loop switches
+    #: it on for a few chosen steps, tests and benchmarks that step an engine by hand keep it on
+    measure_memory: bool = True
 
     def __init__(self, model: nn.Module, task, train, options, ctx: DistContext, total_steps: int):
         self.task, self.train, self.options, self.ctx = task, train, options, ctx
@@ -235,7 +238,11 @@ class Engine(ABC):
 
     def note_memory(self) -> None:
         """Called right before and right after the optimizer step (before gradients are freed):
-        model states peak at one of the two moments, once the optimizer has its state."""
+        model states peak at one of the two moments, once the optimizer has its state. Does nothing
+        while `measure_memory` is off: the training loop measures a few chosen steps only, since a
+        census of every tensor and the allocator's statistics on every step would tax training."""
+        if not self.measure_memory:
+            return
         now = self.model_state()
         if now["mem_model_state_bytes"] >= self._peak_state.get("mem_model_state_bytes", -1):
             self._peak_state = now

@@ -91,6 +91,16 @@ class Options:
     def data_parallel_size(self, num_workers: int) -> int:
         return max(1, num_workers // self.stages)
 
+    def bubble_theory(self) -> float | None:
+        """The idle share of a step in theory, with forward and backward of every stage equally long:
+        (P - 1) / (V M + P - 1) for P workers holding V stages each and M microbatches (GPipe and
+        1F1B: V = 1; Narayanan et al. 2021 for the interleaved schedule). None for the zero-bubble
+        schedules, whose idle time depends on how long each stage's weight gradients take."""
+        if self.schedule in ("zero-bubble", "zbv"):
+            return None
+        P, V, M = self.stages, self.stages_per_worker, self.num_microbatches
+        return (P - 1) / (V * M + P - 1)
+
 
 class _TimedStage(pipelining.PipelineStage):
     """torch's PipelineStage, timing its forward and backward computation (not the waits between)."""
@@ -187,6 +197,7 @@ class PipelineEngine(StagedLayout, Engine):
         measured = all(r["bubble"] is not None for r in ranks)  # not before the first step
         out["stage_bubble_fraction"] = [r["bubble"] for r in ranks] if measured else None
         out["bubble_fraction"] = sum(r["bubble"] for r in ranks) / len(ranks) if measured else None
+        out["bubble_theory"] = self.options.bubble_theory()
         return out
 
     # -- checkpoints: each pipeline rank writes its stages (the first replica; the others are equal) --

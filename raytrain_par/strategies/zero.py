@@ -315,7 +315,7 @@ class ZeroEngine(Engine):
         for i, mb in enumerate(micro):
             loss = self.task.loss(self.module, self.prepare(mb))
             last = i == len(micro) - 1
-            if last and self.stage == 1:
+            if last and self.stage == 1 and self.measure_memory:
                 # ZeRO-1 holds whole gradients until the end of the last backward pass, where
                 # DeepSpeed reduce-scatters them and drops all but its partition: count them then,
                 # from a callback the autograd engine runs once the pass is done (as FSDP does).
