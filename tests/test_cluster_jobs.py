@@ -51,7 +51,7 @@ class Head:
         return [n for n in self.nodes() if not n["is_head_node"] and n["state"] == "ALIVE"]
 
     def submit(self, submission_id: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-        """`ray job submit` exactly as README.md has it, from the repository root."""
+        """`ray job submit` exactly as docs/clusters.md has it, from the repository root."""
         return subprocess.run([str(BIN / "ray"), "job", "submit", "--address", self.dashboard,
                                "--submission-id", submission_id, "--working-dir", ".", "--",
                                "raytrain-par", "run", "experiments/quickstart.yaml", *args],

@@ -198,7 +198,7 @@ def test_output_dir_a_cluster_cannot_use(monkeypatch, tmp_path):
 
 
 def test_job_submit_to_an_address_without_a_cluster_says_so(tmp_path):
-    """The README's `ray job submit` where nothing listens: Ray's own error, and a failing exit status."""
+    """The `ray job submit` of docs/clusters.md where nothing listens: Ray's own error, and a failing exit status."""
     proc = subprocess.run([str(Path(sys.executable).parent / "ray"), "job", "submit", "--address",
                            f"http://127.0.0.1:{free_port()}", "--", "true"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
