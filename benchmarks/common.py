@@ -28,7 +28,8 @@ def machine() -> dict:
 def commit() -> str:
     """The checked-out commit (with '+changes' when the tree differs from it), or 'unknown'."""
     def git(*args):
-        return subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True, timeout=10)
+        # --no-optional-locks: reading the status never takes the lock another git command may hold
+        return subprocess.run(["git", "--no-optional-locks", *args], cwd=HERE, capture_output=True, text=True, timeout=10)
     try:
         head = git("rev-parse", "--short", "HEAD")
         if head.returncode:
@@ -57,21 +58,22 @@ def write_json(name: str, payload: dict, out: str | None = None) -> Path:
     return path
 
 
-def table_cells(head: list[str], rows: list[list]) -> tuple[list[str], list[list[str]], list[int]]:
+def table_cells(head: list[str], rows: list[list]) -> tuple[list[list[str]], list[int]]:
+    """The rows as strings, and each column's width."""
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(head)]
-    return head, cells, widths
+    return cells, widths
 
 
 def print_table(head: list[str], rows: list[list]) -> None:
-    head, cells, widths = table_cells(head, rows)
+    cells, widths = table_cells(head, rows)
     print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
     for r in cells:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
 
 
 def markdown_table(head: list[str], rows: list[list]) -> str:
-    head, cells, _ = table_cells(head, rows)
+    cells, _ = table_cells(head, rows)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells])
 

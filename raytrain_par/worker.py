@@ -175,7 +175,10 @@ class Trainer:
         """Whether the step after `step` runs under torch's profiler, which tells how much of it was
         spent waiting for communication (`comm_fraction`, see metrics/timeline.py): the first step
         after those that measure memory, then every PROFILE_EVERY steps. A profiled step runs a
-        little slower; sampling keeps that out of the wall time."""
+        little slower and counts in the wall time like any other; sampling keeps that cost small.
+        Never for an engine whose communication outlives its steps (`Engine.profiles_steps`)."""
+        if not self.engine.profiles_steps:
+            return False
         done = step - start_step - self.MEASURED_FIRST_STEPS
         return done >= 0 and done % self.PROFILE_EVERY == 0
 

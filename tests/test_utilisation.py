@@ -67,11 +67,10 @@ def test_exposed_communication_is_what_computation_does_not_cover():
 
 
 def _ddp_profiled(rank, world, info_dict):
-    from engines import experiment as exp
     from raytrain_par import models, strategies
     from raytrain_par.data.loader import MemoryLoader
 
-    spec = config.from_dict(exp("gpt2-tiny", "kjv", workers=world, batch=16, steps=4))
+    spec = config.from_dict(experiment("gpt2-tiny", "kjv", workers=world, batch=16, steps=4))
     data_info = DatasetInfo.from_json(info_dict)
     arrays = read_split(data_info, data_info.train_path)
     model, task = models.build(spec.model, data_info, 0)

@@ -119,7 +119,8 @@ def table(records: Iterable[dict]) -> str:
             "-" if r.get("val_loss") is None else f"{r['val_loss']:.4f}",
             "-" if r.get("val_perplexity") is None else f"{r['val_perplexity']:.1f}",
             "-" if r.get("val_accuracy") is None else f"{r['val_accuracy']:.3f}",
-            f"{r.get('throughput') or 0:.1f}", "-" if not r.get("mfu") else f"{100 * r['mfu']:.1f}", mib(r.get("mem_peak_bytes")), mib(r.get("mem_model_state_bytes")),
+            f"{r.get('throughput') or 0:.1f}", "-" if not r.get("mfu") else f"{100 * r['mfu']:.1f}",
+            mib(r.get("mem_peak_bytes")), mib(r.get("mem_model_state_bytes")),
         ])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]

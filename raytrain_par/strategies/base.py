@@ -114,6 +114,11 @@ class Engine(ABC):
     #: whether the next steps measure model states (see `note_memory`); the training loop switches
     #: it on for a few chosen steps, tests and benchmarks that step an engine by hand keep it on
     measure_memory: bool = True
+    #: whether a step can run under torch's profiler (the loop samples `comm_fraction` that way). Not
+    #: for an engine whose collectives outlive the step that posted them: the profiler attaches to
+    #: each communication work it sees, and a work finished after the profiler has closed touches
+    #: freed memory (seen as segfaults and corrupted tensors with gloo's sends)
+    profiles_steps: bool = True
 
     def __init__(self, model: nn.Module, task, train, options, ctx: DistContext, total_steps: int):
         self.task, self.train, self.options, self.ctx = task, train, options, ctx

@@ -112,6 +112,7 @@ class _InFlight:
 
 class PipeDreamEngine(StagedLayout, Engine):
     Options = Options
+    profiles_steps = False  # sends complete two steps after they are posted (see _wait_for_sends)
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
         super().__init__(model, task, train, options, ctx, total_steps)
