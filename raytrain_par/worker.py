@@ -31,7 +31,7 @@ from .data.loader import MemoryLoader, StreamLoader, eval_batches
 from .data.shards import DatasetInfo
 from .metrics import flops
 from .metrics.records import RecordWriter, merge, progress_line
-from .metrics.timeline import profiled_step
+from .metrics.timeline import profiled_step, warm_up_profiler
 from .strategies import DistContext, Engine
 from .strategies.base import DTYPES, WEIGHTS_FILE, write_weights
 
@@ -92,6 +92,10 @@ class Trainer:
         self.t_setup = time.perf_counter() - startup_s
         model, self.task = models.build(spec.model, info, spec.train.seed)
         self.total_steps = spec.total_steps(steps_per_epoch(spec, info))
+        if strategies.engine_class(spec.strategy.name).profiles_steps:
+            # The profiler's first use keeps tens of MB of host memory for good: take it before the
+            # engine notes what the allocator holds, so that it does not count as model state.
+            warm_up_profiler(ctx.device)
         self.engine = strategies.build_engine(spec.strategy, model, self.task, spec.train, ctx, self.total_steps)
         # Counted and probed once, before training: a second or less on any model and device.
         self.flops_per_step = flops.model_flops_per_step(spec.model, info, spec.train.global_batch_size)

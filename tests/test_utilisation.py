@@ -87,3 +87,23 @@ def test_a_profiled_ddp_step_finds_its_gradient_all_reduce(info):
         # gloo all-reduced the gradients while the step ran; at least the last bucket waits exposed
         assert 0 < sample["exposed_comm_s"] <= sample["comm_s"] < sample["step_s"]
         assert 0 < sample["comm_fraction"] < 1
+
+
+def _heap_kept_by_a_profiled_step(rank, world, warm):
+    from raytrain_par.metrics.memory import heap_in_use_bytes
+
+    if warm:
+        timeline.warm_up_profiler(torch.device("cpu"))
+    layer, x = torch.nn.Linear(256, 256), torch.randn(64, 256)
+    layer(x).sum().backward()
+    before = heap_in_use_bytes()
+    with timeline.profiled_step(torch.device("cpu")):
+        layer(x).sum().backward()
+    return heap_in_use_bytes() - before
+
+
+def test_the_profiler_keeps_nothing_mid_training_once_warmed_up():
+    # A fresh process each: the profiler's first use keeps memory for good, which the training loop
+    # takes at start-up (before the engine's memory baseline) so that it never counts as model state.
+    cold, warm = (run_ranks(1, _heap_kept_by_a_profiled_step, w)[0] for w in (False, True))
+    assert cold > 4 * 2**20 and warm < 2**20
