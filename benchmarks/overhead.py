@@ -31,6 +31,7 @@ from pathlib import Path
 from common import markdown_table, print_table, write_json, write_page
 
 from raytrain_par import data, models
+from raytrain_par.models import gpt2
 from raytrain_par.config import load_experiment
 from raytrain_par.driver import run_experiment, start_local_cluster, worker_env
 from raytrain_par.local_group import free_port
@@ -49,7 +50,7 @@ def our_step_time(spec, warmup: int, steps: int) -> float:
 
 
 def plain_command(spec, strategy: str, info, work: Path, a) -> list[str]:
-    sizes = models.gpt2_sizes(spec.model)
+    sizes = gpt2.sizes(spec.model.name, spec.model.options)
     t = spec.train
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={a.workers}",
            f"--master_port={free_port()}", str(HERE / "torchrun_plain.py"), "--strategy", strategy,

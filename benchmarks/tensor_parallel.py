@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from raytrain_par import config, data, models, strategies  # noqa: E402
+from raytrain_par.models import gpt2  # noqa: E402
 from raytrain_par.data.loader import MemoryLoader  # noqa: E402
 from raytrain_par.data.shards import DatasetInfo, read_split  # noqa: E402
 from raytrain_par.local_group import run_ranks  # noqa: E402
@@ -92,7 +93,7 @@ def measure(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: int,
 
 
 def formula(spec, info: DatasetInfo, tp_size: int, dp_size: int, params_local: int) -> dict:
-    sizes = models.gpt2_sizes(spec.model)
+    sizes = gpt2.sizes(spec.model.name, spec.model.options)
     n_layer, h = sizes["n_layer"], sizes["n_embd"]
     b, s = spec.train.global_batch_size // dp_size, info.seq_len
     layers = 4 * n_layer * b * s * h if tp_size > 1 else 0
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="results/benchmarks/tensor_parallel.json")
     args = p.parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    info = data.prepare(config.DataSpec(name="kjv", seq_len=args.seq_len), log=lambda *_: None)
+    info = data.prepare(config.DataSpec(name="kjv", seq_len=args.seq_len, vocab_size=config.DEFAULT_VOCAB_SIZE), log=lambda *_: None)
     wanted = [w.strip() for w in args.layouts.split(",")]
     specs = {}
     for label, strategy, workers in LAYOUTS:

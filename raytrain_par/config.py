@@ -28,20 +28,47 @@ from . import data as data_sets
 from . import models, strategies
 from .errors import ConfigError
 
+DEFAULT_VOCAB_SIZE = 8192
 TOP_LEVEL = ("name", "model", "data", "strategy", "scaling", "train", "target", "output_dir", "sweep")
 
 
 @dataclass
 class ModelSpec:
+    """`model: {name: ..., <the family's options>}`; the options are the family's `Options` (models/)."""
+
     name: str
-    dropout: float = 0.0
-    # vgg: channel multiplier of every layer, and the input size images are resized to (default: the data's)
-    width: float = 1.0
-    image_size: Optional[int] = None
-    # gpt2: override a preset's sizes
-    n_layer: Optional[int] = None
-    n_embd: Optional[int] = None
-    n_head: Optional[int] = None
+    options: Any = None
+
+    @classmethod
+    def from_raw(cls, raw, path: str = "model") -> "ModelSpec":
+        if isinstance(raw, str):  # `model: gpt2-tiny` is short for `model: {name: gpt2-tiny}`
+            raw = {"name": raw}
+        if not isinstance(raw, dict) or "name" not in raw:
+            raise ConfigError(path, raw, "expected a mapping with a `name`",
+                              f"write e.g. `model: {{name: gpt2-tiny}}`; models: {', '.join(models.NAMES)}")
+        name = raw["name"]
+        if name not in models.NAMES:
+            close = difflib.get_close_matches(str(name), models.NAMES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{path}.name", name, f"unknown model{hint}", f"use one of: {', '.join(models.NAMES)}")
+        family = models.family_of(name)
+        own = {f.name for f in dataclasses.fields(family.Options)}
+        for key in raw:
+            others = [n for f in models.FAMILIES.values() if f is not family and key in
+                      {x.name for x in dataclasses.fields(f.Options)} for n in f.NAMES]
+            if key != "name" and key not in own and others:
+                raise ConfigError(f"{path}.{key}", raw[key], f"only {', '.join(others)} models have {key}",
+                                  f"remove it; {name} takes {', '.join(sorted(own)) or 'no other keys'}")
+        options = _from_mapping(family.Options, {k: v for k, v in raw.items() if k != "name"}, path)
+        return cls(name, options)
+
+    @classmethod
+    def of(cls, name: str, **options) -> "ModelSpec":
+        """A model spec from Python, e.g. ModelSpec.of("gpt2-mini", n_layer=3)."""
+        return cls.from_raw({"name": name, **options})
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **dataclasses.asdict(self.options)}
 
 
 @dataclass
@@ -49,7 +76,9 @@ class DataSpec:
     name: str
     path: Optional[str] = None  # wikitext-103 and imagenet-folder: where the files are
     seq_len: int = 128  # text: tokens per training row
-    vocab_size: int = 8192  # text: size of the byte-level BPE trained on the corpus
+    # text: size of the byte-level BPE trained on the corpus; default: the model's vocab_size (a
+    # causal-lm config's), else DEFAULT_VOCAB_SIZE
+    vocab_size: Optional[int] = None
     val_fraction: Optional[float] = None  # None: the set's own validation split, else 5% held out
     seed: int = 0  # seed of the train/validation split
     image_size: Optional[int] = None  # imagenet-folder: size the images are decoded at (224)
@@ -165,6 +194,7 @@ class ExperimentSpec:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["strategy"] = self.strategy.to_dict()
+        d["model"] = self.model.to_dict()
         return d
 
 
@@ -205,6 +235,8 @@ def _convert(value, tp, path: str):
             raise ConfigError(path, value, f"expected {_type_name(tp)}", f"write {path} as a YAML list, e.g. [0.9, 0.999]")
         (inner,) = typing.get_args(tp)
         return [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+    if hasattr(tp, "from_raw"):  # a spec that parses itself (its keys depend on its name)
+        return tp.from_raw(value, path)
     if dataclasses.is_dataclass(tp):
         return _from_mapping(tp, value, path)
     if tp is dict or origin is dict:  # a free-form mapping, checked by whoever reads it
@@ -262,9 +294,8 @@ def parse(raw: dict) -> ExperimentSpec:
     strategy_raw = raw.pop("strategy", {"name": "ddp"})
     if isinstance(strategy_raw, str):
         strategy_raw = {"name": strategy_raw}
-    for key in ("model", "data"):
-        if isinstance(raw.get(key), str):  # `model: gpt2-tiny` is short for `model: {name: gpt2-tiny}`
-            raw[key] = {"name": raw[key]}
+    if isinstance(raw.get("data"), str):  # `data: kjv` is short for `data: {name: kjv}`
+        raw["data"] = {"name": raw["data"]}
     if isinstance(raw.get("target"), str):
         raw["target"] = _parse_target_string(raw["target"])
     spec = _from_mapping(ExperimentSpec, raw, "")
@@ -313,29 +344,14 @@ def validate(spec: ExperimentSpec) -> None:
            "e.g. /mnt/shared/results")
     m, d, s, t = spec.model, spec.data, spec.scaling, spec.train
 
-    _check(m.name in models.NAMES, "model.name", m.name, "unknown model", f"use one of: {', '.join(models.NAMES)}")
     _check(d.name in data_sets.NAMES, "data.name", d.name, "unknown data set", f"use one of: {', '.join(data_sets.NAMES)}")
     model_kind, data_kind = models.data_kind(m.name), data_sets.kind_of(d.name)
+    fitting = [n for n in data_sets.NAMES if data_sets.kind_of(n) == model_kind]
     _check(model_kind == data_kind, "data.name", d.name, f"{m.name} trains on {model_kind} data, {d.name} is {data_kind}",
-           f"use {'kjv or wikitext-103' if model_kind == 'text' else 'fashion-mnist, digits or imagenet-folder'}, "
-           "or another model")
-    _check(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "must be in [0, 1)", "use e.g. 0.1, or 0 for none")
-    _check(m.width > 0, "model.width", m.width, "must be > 0", "use 1.0 for the paper's VGG, 0.25 for a CPU-sized one")
-    if m.image_size is not None:
-        _check(m.image_size >= 4, "model.image_size", m.image_size, "must be >= 4", "use e.g. 32 or 224")
-    if m.name in models.GPT2_NAMES:
-        sizes = models.gpt2_sizes(m)
-        for k in ("n_layer", "n_embd", "n_head"):
-            _check(sizes[k] >= 1, f"model.{k}", sizes[k], "must be >= 1", "use a positive size")
-        _check(sizes["n_embd"] % sizes["n_head"] == 0, "model.n_head", sizes["n_head"],
-               f"n_embd {sizes['n_embd']} is not divisible by n_head {sizes['n_head']}",
-               "choose n_head dividing n_embd (e.g. 4 for n_embd 128)")
-        _check(m.width == 1.0, "model.width", m.width, "only VGG models have a width multiplier",
-               "remove it; size GPT-2 with n_layer / n_embd / n_head")
-        _check(m.image_size is None, "model.image_size", m.image_size, "only VGG models take images", "remove it")
-    else:
-        for k in ("n_layer", "n_embd", "n_head"):
-            _check(getattr(m, k) is None, f"model.{k}", getattr(m, k), f"only GPT-2 models have {k}", "remove it")
+           f"use {' or '.join(fitting)}, or another model")
+    if d.vocab_size is None:
+        d.vocab_size = m.options.vocab_size() or DEFAULT_VOCAB_SIZE
+    m.options.validate(spec, lambda *a: _check(False, *a))
 
     if d.name in data_sets.NEEDS_PATH:
         _check(bool(d.path), "data.path", d.path, f"{d.name} is read from a directory you provide",

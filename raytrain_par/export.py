@@ -3,15 +3,14 @@
 Every checkpoint holds, beside each rank's shards, the gathered weights of the plain model
 (`model.safetensors`, written from `Engine.full_state_dict()`) and the experiment it belongs to
 (`loop.json`). Export rebuilds that experiment's model -- the same for every strategy -- loads the
-weights into it (every key must match) and writes it in the format its users expect:
-transformers' `save_pretrained` directory for GPT-2 (with the run's tokenizer), a safetensors file
-and a JSON description for VGG.
+weights into it (every key must match) and writes it in the format its family's users expect:
+transformers' `save_pretrained` directory for GPT-2 and causal-lm models (with the run's tokenizer),
+a safetensors file and a JSON description for VGG.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from . import config, data, models
@@ -50,18 +49,7 @@ def export(run_dir: str | Path, out: str | Path, log=print) -> Path:
                         f"unexpected {unexpected[:5]}.\n  fix: export with the code version that wrote the run")
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    if spec.model.name in models.GPT2_NAMES:
-        model.save_pretrained(out)
-        if info.tokenizer_path and Path(info.tokenizer_path).exists():
-            shutil.copy2(info.tokenizer_path, out / "tokenizer.json")
-    else:
-        from safetensors.torch import save_model
-
-        save_model(model, str(out / "model.safetensors"))
-        description = {"model": spec.to_dict()["model"], "image_shape": info.image_shape,
-                       "num_classes": info.num_classes, "mean": info.mean, "std": info.std,
-                       "build": "raytrain_par.models.vgg.VGG(name, channels, num_classes, image_size, width, dropout)"}
-        (out / "config.json").write_text(json.dumps(description, indent=1))
+    models.export(model, out, spec, info)
     step = meta["state"]["step"]
     log(f"exported {spec.model.name} ({models.parameter_count(model) / 1e6:.1f}M parameters) from {checkpoint} "
         f"(step {step}, strategy {spec.strategy.name}) to {out}")

@@ -18,7 +18,7 @@ def info(tmp_path_factory):
     def get(name, **data_keys):
         key = (name, tuple(sorted(data_keys.items())))
         if key not in cache:
-            spec = config.DataSpec(name=name, **data_keys)
+            spec = config.DataSpec(name=name, **{"vocab_size": config.DEFAULT_VOCAB_SIZE, **data_keys})
             cache[key] = data.prepare(spec, log=lambda *_: None).to_json()
         return cache[key]
 

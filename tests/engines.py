@@ -45,21 +45,22 @@ def train_cases(rank: int, world: int, cases: list[tuple[dict, dict, int]]) -> l
     return [train_steps(rank, world, *case) for case in cases]
 
 
-def exported_gpt2_val_loss(run_dir, info_dict: dict, rows: int) -> float:
-    """`raytrain-par export` a GPT-2 run; load the result with transformers (every key present) and
-    score the first `rows` validation rows, as the run's evaluation does."""
+def exported_val_loss(run_dir, info_dict: dict, rows: int, model_spec=None) -> float:
+    """`raytrain-par export` a language-model run; load the result with transformers'
+    AutoModelForCausalLM (every key present) and score the first `rows` validation rows, as the run's
+    evaluation does."""
     from pathlib import Path
 
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     from raytrain_par.cli import main
 
     out = Path(run_dir).parent / f"{Path(run_dir).name}-exported"
     assert main(["export", str(run_dir), "--out", str(out)]) == 0
-    model, loading = GPT2LMHeadModel.from_pretrained(out, output_loading_info=True)
+    model, loading = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not loading["missing_keys"] and not loading["unexpected_keys"]
     data_info = DatasetInfo.from_json(info_dict)
-    task = models.build(config.ModelSpec(name="gpt2-tiny"), data_info, 0)[1]
+    task = models.build(model_spec or config.ModelSpec.of("gpt2-tiny"), data_info, 0)[1]
     val = read_split(data_info, data_info.val_path)
     batch = {k: v[:rows] for k, v in val.items()}
     with torch.no_grad():

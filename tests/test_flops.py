@@ -14,8 +14,8 @@ def text(seq_len, vocab_size):
 
 
 @pytest.mark.parametrize("spec, L, d, T, V", [
-    (config.ModelSpec(name="gpt2-tiny"), 2, 128, 32, 256),
-    (config.ModelSpec(name="gpt2-mini", n_layer=3), 3, 256, 64, 512),
+    (config.ModelSpec.of("gpt2-tiny"), 2, 128, 32, 256),
+    (config.ModelSpec.of("gpt2-mini", n_layer=3), 3, 256, 64, 512),
 ])
 def test_gpt2_count_is_the_transformer_formula_exactly(spec, L, d, T, V):
     n_matmul = 12 * L * d * d  # q, k, v, attention out (4 d^2) and the MLP (8 d^2) per block
@@ -30,7 +30,7 @@ def test_gpt2_count_is_the_transformer_formula_exactly(spec, L, d, T, V):
 
 def test_vgg_count_is_the_hand_count():
     # vgg11 at width 1/8 on 8x8 digits resized to 16x16 (the task's interpolate runs on meta too).
-    spec = config.ModelSpec(name="vgg11", width=0.125, image_size=16)
+    spec = config.ModelSpec.of("vgg11", width=0.125, image_size=16)
     info = data.shape_of(config.DataSpec(name="digits"))
     # (C_in, C_out, H = W) of each 3x3 convolution (padding 1): pools halve 16 -> 8 -> 4 -> 2 -> 1, the fifth is skipped.
     convs = [(1, 8, 16), (8, 16, 8), (16, 32, 4), (32, 32, 4), (32, 64, 2), (64, 64, 2), (64, 64, 1), (64, 64, 1)]
@@ -43,8 +43,8 @@ def test_vgg_count_is_the_hand_count():
 
 
 @pytest.mark.parametrize("spec, info", [
-    (config.ModelSpec(name="gpt2-tiny"), text(16, 128)),
-    (config.ModelSpec(name="vgg11", width=0.125), data.shape_of(config.DataSpec(name="digits"))),
+    (config.ModelSpec.of("gpt2-tiny"), text(16, 128)),
+    (config.ModelSpec.of("vgg11", width=0.125), data.shape_of(config.DataSpec(name="digits"))),
 ])
 def test_flops_are_linear_in_the_batch(spec, info, monkeypatch):
     one = flops.count_flops(spec, info, rows=1)

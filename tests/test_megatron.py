@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from raytrain_par.local_group import run_ranks
-from engines import experiment, exported_gpt2_val_loss
+from engines import experiment, exported_val_loss
 from raytrain_par import config, models, strategies
+from raytrain_par.models import gpt2
 from raytrain_par.data.loader import MemoryLoader, eval_batches
 from raytrain_par.data.shards import DatasetInfo, read_split
 from raytrain_par.errors import ConfigError
@@ -238,7 +239,7 @@ def test_gathered_state_loads_into_transformers_gpt2(runs):
 # -- memory and communication ------------------------------------------------------------------------
 
 def _sizes(info, batch):
-    sizes = models.gpt2_sizes(config.ModelSpec(name="gpt2-tiny"))
+    sizes = gpt2.sizes("gpt2-tiny", gpt2.Options())
     return sizes["n_layer"], batch, info["seq_len"], sizes["n_embd"]
 
 
@@ -282,7 +283,6 @@ def test_allreduce_bytes_follow_the_megatron_formula(runs, hybrid):
      "model.n_head", "attention heads"),
     ({"model": {"name": "gpt2-tiny", "n_embd": 120, "n_head": 4}, "strategy": megatron(16),
       "scaling": {"num_workers": 16}}, "model.n_embd", "hidden size"),
-    ({"data": {"name": "kjv", "vocab_size": 8191}}, "data.vocab_size", "vocabulary"),
     ({"scaling": {"num_workers": 3}}, "scaling.num_workers", "not a multiple of tensor_parallel 2"),
     ({"model": {"name": "vgg11"}, "data": {"name": "digits"}}, "model.name", "transformer"),
     ({"strategy": megatron(0)}, "strategy.tensor_parallel", "must be >= 1"),
@@ -327,7 +327,7 @@ def test_megatron_through_ray_matches_single_process(ray_cluster, runs, tmp_path
     assert checkpoints and {p.name for p in checkpoints[-1].iterdir()} >= {
         "megatron-tp0-of-2.pt", "megatron-tp1-of-2.pt", "loop.json"}
     # `raytrain-par export` joins the shards into a plain GPT-2 that scores the run's validation loss
-    assert exported_gpt2_val_loss(result.results_dir, runs["info"], 16) == pytest.approx(last["val_loss"], abs=1e-5)
+    assert exported_val_loss(result.results_dir, runs["info"], 16) == pytest.approx(last["val_loss"], abs=1e-5)
 
 
 def test_resume_may_change_the_tensor_parallel_layout_but_not_the_model(tmp_path):

@@ -4,7 +4,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import experiment_file
-from engines import exported_gpt2_val_loss
+from engines import exported_val_loss
 from raytrain_par.config import load_experiment
 from raytrain_par.driver import run_experiment
 
@@ -34,4 +34,4 @@ def test_pipedream_through_ray_records_stages(ray_cluster, tmp_path, info):
     # `raytrain-par export` joins the stages (and the untied embedding / LM head) into a plain GPT-2
     # that scores the run's last validation loss
     kjv = info("kjv", seq_len=32, vocab_size=512)
-    assert exported_gpt2_val_loss(result.results_dir, kjv, 64) == pytest.approx(last["val_loss"], abs=1e-5)
+    assert exported_val_loss(result.results_dir, kjv, 64) == pytest.approx(last["val_loss"], abs=1e-5)

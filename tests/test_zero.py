@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_par.local_group import run_ranks
-from engines import experiment, exported_gpt2_val_loss, train_steps
+from engines import experiment, exported_val_loss, train_steps
 from raytrain_par import config, models, strategies
 from raytrain_par.data.loader import MemoryLoader
 from raytrain_par.data.shards import DatasetInfo, read_split
@@ -214,7 +214,7 @@ def test_zero3_through_ray_resumes_exactly_and_exports_a_plain_model(ray_cluster
         assert r["strategy"] == "zero-3"
         assert r["mem_model_state_bytes"] > 0 and r["mem_model_state_theory_bytes"] > 0
 
-    val_loss = exported_gpt2_val_loss(resumed.results_dir, info("kjv"), 32)
+    val_loss = exported_val_loss(resumed.results_dir, info("kjv"), 32)
     assert val_loss == pytest.approx(records[-1]["val_loss"], abs=1e-5)
 
 

@@ -1,37 +1,63 @@
-"""Models by name, randomly initialised from configs (nothing is downloaded).
+"""Models by name, randomly initialised from configs (nothing is downloaded), one module per family.
 
-- gpt2-tiny, gpt2-mini, gpt2-small, gpt2-medium, gpt2-large: transformers' GPT2LMHeadModel on text.
-- vgg11, vgg16: VGG on images, `model.width` scales every layer, `model.image_size` the input.
+| family    | names                              | data  | options                                      |
+|-----------|------------------------------------|-------|----------------------------------------------|
+| gpt2      | gpt2-tiny, -mini, -small, -medium, -large | text | dropout, n_layer, n_embd, n_head         |
+| causal-lm | causal-lm                          | text  | config (a transformers config.json), dropout |
+| vgg       | vgg11, vgg16                       | image | dropout, width, image_size                   |
 
-Each model also says how a pipeline splits it (`pipeline_layers`).
+A family is a module with:
+- `NAMES` (the `model.name`s it builds), `KIND` ('text' or 'image') and `LAYERS` (what its pipeline
+  layers are, for messages);
+- `Options`, the dataclass of its other `model:` keys, with `validate(spec, error)`;
+- `build(name, options, info) -> (model, task)`: the model on CPU in fp32, with `family` (its key
+  in FAMILIES), `input_shape` and `input_dtype` (one sample of its input) set, and its task;
+- `pipeline_layers(model)` and `pipeline_layer_count(name, options)`: what pipelines split it
+  between (each layer maps one tensor to one tensor and holds the model's own modules);
+- `tensor_parallel_plan(name, options)` and `plan_of(model)`: a `TensorParallelPlan`
+  (models/plans.py), or None when the family has none;
+- `export(model, out, spec, info)`: the format its users load.
+
+Adding a family: write its module and add one line to `FAMILIES` (docs/architecture.md shows one).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
-from . import gpt2, vgg
+from . import causal_lm, gpt2, vgg
 from .task import ImageClassification, LanguageModelling, Task
 
-GPT2_NAMES = tuple(gpt2.PRESETS)
-VGG_NAMES = tuple(vgg.PLANS)
-NAMES = GPT2_NAMES + VGG_NAMES
+FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "causal-lm": causal_lm, "vgg": vgg}
+
+NAMES: tuple[str, ...] = tuple(name for family in FAMILIES.values() for name in family.NAMES)
+GPT2_NAMES = gpt2.NAMES
+
+
+def family_of(name: str) -> ModuleType:
+    """The family module that builds model `name` (config.validate has checked that one does)."""
+    for family in FAMILIES.values():
+        if name in family.NAMES:
+            return family
+    raise KeyError(f"no model family builds {name!r}; models: {', '.join(NAMES)}")
 
 
 def data_kind(name: str) -> str:
     """The kind of data a model trains on: 'text' or 'image'."""
-    return "text" if name in GPT2_NAMES else "image"
+    return family_of(name).KIND
 
 
 def task_metrics(name: str) -> tuple[str, ...]:
     return LanguageModelling.metrics if data_kind(name) == "text" else ImageClassification.metrics
 
 
-def gpt2_sizes(spec) -> dict[str, int]:
-    sizes = dict(gpt2.PRESETS[spec.name])
-    sizes.update({k: getattr(spec, k) for k in ("n_layer", "n_embd", "n_head") if getattr(spec, k, None)})
-    return sizes
+def build(spec, info, seed: int) -> tuple[nn.Module, Task]:
+    """The model (on CPU, in fp32, identical on every rank for the same seed) and its task."""
+    torch.manual_seed(seed)
+    return family_of(spec.name).build(spec.name, spec.options, info)
 
 
 def build_on_meta(spec, info) -> tuple[nn.Module, Task]:
@@ -44,33 +70,33 @@ def build_on_meta(spec, info) -> tuple[nn.Module, Task]:
 def parameter_count(model: nn.Module) -> int:
     """Parameters of a model, a tied weight once."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def pipeline_layer_count(spec) -> int:
     """How many layers a pipeline can split the model between (see `pipeline_layers`)."""
-    if spec.name in GPT2_NAMES:
-        return gpt2_sizes(spec)["n_layer"] + 2
-    return vgg.pipeline_layer_count(spec.name)
+    return family_of(spec.name).pipeline_layer_count(spec.name, spec.options)
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
-    """The model as a sequence of layers, each one tensor -> one tensor, that pipeline stages split between:
-    GPT-2: embeddings, each block, final norm + LM head; VGG: each convolution (with its ReLU and pooling),
-    then the classifier's three linear layers. The layers hold the model's own modules."""
-    return vgg.pipeline_layers(model) if isinstance(model, vgg.VGG) else gpt2.pipeline_layers(model)
+    """The model as a sequence of layers, each one tensor -> one tensor, that pipeline stages split
+    between; the layers hold the model's own modules."""
+    return FAMILIES[model.family].pipeline_layers(model)
+
+
+def tensor_parallel_plan(spec):
+    """How the model's layers split for tensor parallel, or None if its family has no plan."""
+    return family_of(spec.name).tensor_parallel_plan(spec.name, spec.options)
+
+
+def tensor_parallel_plan_of(model: nn.Module):
+    """The plan of a built model (what the megatron engine splits it by)."""
+    return FAMILIES[model.family].plan_of(model)
 
 
 def example_input(model: nn.Module, device: torch.device | str = "cpu") -> torch.Tensor:
     """One sample of the model's input (zeros): what shapes and costs of the pipeline layers are measured on."""
-    if isinstance(model, vgg.VGG):
-        return torch.zeros(1, *model.input_shape, device=device)
-    return torch.zeros(1, model.config.n_positions, dtype=torch.long, device=device)
+    return torch.zeros(1, *model.input_shape, dtype=model.input_dtype, device=device)
 
 
-def build(spec, info, seed: int) -> tuple[nn.Module, Task]:
-    """The model (on CPU, in fp32, identical on every rank for the same seed) and its task."""
-    torch.manual_seed(seed)
-    if spec.name in GPT2_NAMES:
-        config = gpt2.gpt2_config(gpt2_sizes(spec), info.vocab_size, info.seq_len, spec.dropout)
-        return gpt2.build_gpt2(config), LanguageModelling()
-    size = spec.image_size or info.image_shape[-1]
-    model = vgg.VGG(spec.name, info.image_shape[0], info.num_classes, size, spec.width, spec.dropout)
-    return model, ImageClassification(size, info.mean, info.std)
+def export(model: nn.Module, out, spec, info) -> None:
+    family_of(spec.model.name).export(model, out, spec, info)

@@ -1,11 +1,21 @@
-"""GPT-2 language models from transformers configs, randomly initialised (nothing downloads)."""
+"""GPT-2 language models from transformers configs, randomly initialised (nothing downloads).
+
+`model: {name: gpt2-small}` builds a preset; `n_layer`, `n_embd`, `n_head` override its sizes. The
+vocabulary is the tokenizer's and the positions are `data.seq_len`. (Any other GPT-2 config.json
+trains through the causal-lm family.)
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
+
+from . import lm
+from .plans import TensorParallelPlan
+from .task import Task
 
 if TYPE_CHECKING:  # transformers takes seconds to import: only processes that build a GPT-2 pay for it
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -19,6 +29,61 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt2-medium": dict(n_layer=24, n_embd=1024, n_head=16),
     "gpt2-large": dict(n_layer=36, n_embd=1280, n_head=20),
 }
+NAMES = tuple(PRESETS)
+KIND = "text"
+LAYERS = "embeddings, blocks, final norm + head"
+
+
+@dataclass
+class Options:
+    """`model:` keys of the GPT-2 presets."""
+
+    dropout: float = 0.0
+    n_layer: Optional[int] = None  # override the preset's sizes
+    n_embd: Optional[int] = None
+    n_head: Optional[int] = None
+
+    def validate(self, spec, error) -> None:
+        lm.check_dropout(self.dropout, error)
+        s = sizes(spec.model.name, self)
+        for k in ("n_layer", "n_embd", "n_head"):
+            if s[k] < 1:
+                error(f"model.{k}", s[k], "must be >= 1", "use a positive size")
+        if s["n_embd"] % s["n_head"]:
+            error("model.n_head", s["n_head"], f"n_embd {s['n_embd']} is not divisible by n_head {s['n_head']}",
+                  "choose n_head dividing n_embd (e.g. 4 for n_embd 128)")
+
+    def vocab_size(self) -> int | None:
+        """The vocabulary the model asks for: none, the tokenizer's size is used."""
+        return None
+
+
+def sizes(name: str, options: Options) -> dict[str, int]:
+    """n_layer, n_embd, n_head: the preset's, with the options' overrides."""
+    out = dict(PRESETS[name])
+    out.update({k: getattr(options, k) for k in ("n_layer", "n_embd", "n_head") if getattr(options, k)})
+    return out
+
+
+def build(name: str, options: Options, info) -> tuple[nn.Module, Task]:
+    model = build_gpt2(gpt2_config(sizes(name, options), info.vocab_size, info.seq_len, options.dropout))
+    return lm.finish(model, "gpt2", info)
+
+
+def pipeline_layer_count(name: str, options: Options) -> int:
+    return sizes(name, options)["n_layer"] + 2
+
+
+def tensor_parallel_plan(name: str, options: Options) -> TensorParallelPlan:
+    s = sizes(name, options)
+    return plan(s["n_embd"], s["n_head"], "model.")
+
+
+def plan_of(model: nn.Module) -> TensorParallelPlan:
+    return plan(model.config.n_embd, model.config.n_head, "model.")
+
+
+export = lm.export
 
 
 def gpt2_config(sizes: dict[str, int], vocab_size: int, seq_len: int, dropout: float) -> GPT2Config:
@@ -48,17 +113,29 @@ def build_gpt2(config: GPT2Config) -> GPT2LMHeadModel:
 
 
 
-# How GPT-2's layers split for Megatron-style tensor parallel (Shoeybi et al. 2019), by module name:
-# q, k, v (fused in c_attn) and the first MLP layer by output column, the attention output and the
-# second MLP layer by input row, the token embedding (tied with the LM head) by vocabulary row.
-# Everything else (position embedding, layer norms) is replicated.
-TENSOR_PARALLEL_PLAN: dict[str, str] = {
-    r"transformer\.wte": "vocab",
-    r"transformer\.h\.\d+\.attn\.c_attn": "colwise_qkv",
-    r"transformer\.h\.\d+\.attn\.c_proj": "rowwise",
-    r"transformer\.h\.\d+\.mlp\.c_fc": "colwise",
-    r"transformer\.h\.\d+\.mlp\.c_proj": "rowwise",
-}
+def plan(n_embd: int, n_head: int, field_prefix: str) -> TensorParallelPlan:
+    """How GPT-2's layers split for tensor parallel: q, k, v (fused in c_attn, cut separately) and the
+    first MLP layer by output column, the attention output and the second MLP layer by input row, the
+    token embedding (tied with the LM head) by vocabulary row; each rank's attention runs its own
+    n_head / T heads. Position embedding and layer norms are replicated."""
+    return TensorParallelPlan(
+        layers={
+            r"transformer\.wte": "vocab",
+            r"transformer\.h\.\d+\.attn\.c_attn": "colwise_qkv",
+            r"transformer\.h\.\d+\.attn\.c_proj": "rowwise",
+            r"transformer\.h\.\d+\.mlp\.c_fc": "colwise",
+            r"transformer\.h\.\d+\.mlp\.c_proj": "rowwise",
+        },
+        divisible=[(f"{field_prefix}n_embd", n_embd, "hidden size"),
+                   (f"{field_prefix}n_head", n_head, "attention heads")],
+        localize=_local_heads,
+    )
+
+
+def _local_heads(model: nn.Module, t: int) -> None:
+    for block in model.transformer.h:
+        attn = block.attn
+        attn.num_heads, attn.split_size, attn.embed_dim = attn.num_heads // t, attn.split_size // t, attn.embed_dim // t
 
 # -- pipeline layers -----------------------------------------------------------------------------
 # A pipeline splits a GPT-2 between these layers, never inside one: the embeddings, each transformer

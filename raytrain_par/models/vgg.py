@@ -8,14 +8,69 @@ dicts read the same.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from torch import nn
+
+from .task import ImageClassification
 
 # Channel plans; "M" is a 2x2 max-pool. "A" is VGG-11, "D" is VGG-16.
 PLANS: dict[str, list[int | str]] = {
     "vgg11": [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"],
     "vgg16": [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"],
 }
+NAMES = tuple(PLANS)
+KIND = "image"
+LAYERS = "convolutions, classifier layers"
+
+
+@dataclass
+class Options:
+    """`model:` keys of VGG."""
+
+    dropout: float = 0.0
+    width: float = 1.0  # channel multiplier of every layer (0.25: a CPU-sized VGG)
+    image_size: Optional[int] = None  # the size images are resized to (default: the data's)
+
+    def validate(self, spec, error) -> None:
+        if not 0.0 <= self.dropout < 1.0:
+            error("model.dropout", self.dropout, "must be in [0, 1)", "use e.g. 0.5 (the paper's), or 0 for none")
+        if self.width <= 0:
+            error("model.width", self.width, "must be > 0", "use 1.0 for the paper's VGG, 0.25 for a CPU-sized one")
+        if self.image_size is not None and self.image_size < 4:
+            error("model.image_size", self.image_size, "must be >= 4", "use e.g. 32 or 224")
+
+    def vocab_size(self) -> None:
+        return None
+
+
+def build(name: str, options: Options, info) -> tuple[nn.Module, ImageClassification]:
+    size = options.image_size or info.image_shape[-1]
+    model = VGG(name, info.image_shape[0], info.num_classes, size, options.width, options.dropout)
+    model.family, model.input_dtype = "vgg", torch.float32
+    return model, ImageClassification(size, info.mean, info.std)
+
+
+def tensor_parallel_plan(name: str, options: Options) -> None:
+    return None  # convolutions have no heads or vocabulary to split
+
+
+def plan_of(model: nn.Module) -> None:
+    return None
+
+
+def export(model: nn.Module, out, spec, info) -> None:
+    """A safetensors file and config.json describing how to rebuild the model."""
+    from safetensors.torch import save_model
+
+    save_model(model, str(out / "model.safetensors"))
+    description = {"model": spec.to_dict()["model"], "image_shape": info.image_shape,
+                   "num_classes": info.num_classes, "mean": info.mean, "std": info.std,
+                   "build": "raytrain_par.models.vgg.VGG(name, channels, num_classes, image_size, width, dropout)"}
+    (out / "config.json").write_text(json.dumps(description, indent=1))
 
 
 class VGG(nn.Module):
@@ -71,5 +126,5 @@ def pipeline_layers(model: VGG) -> list[nn.Module]:
     return [nn.Sequential(*group) for group in layers]
 
 
-def pipeline_layer_count(plan: str) -> int:
-    return sum(1 for item in PLANS[plan] if item != "M") + 3
+def pipeline_layer_count(name: str, options: Options) -> int:
+    return sum(1 for item in PLANS[name] if item != "M") + 3

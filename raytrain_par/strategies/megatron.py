@@ -1,11 +1,12 @@
-"""Megatron-style tensor parallel for GPT-2, alone or combined with data parallel (T x D workers).
+"""Megatron-style tensor parallel for transformer LMs, alone or combined with data parallel (T x D workers).
 
-`tensor_parallel: T` splits transformers' GPT2LMHeadModel over T ranks the way Megatron-LM does
-(models/gpt2.py TENSOR_PARALLEL_PLAN): each rank holds n_head/T attention heads (its slices of q,
-k and v, cut separately out of the fused c_attn), 4*n_embd/T MLP units, and vocab/T rows of the
-token embedding, which is also the LM head; the loss is a vocabulary-parallel cross-entropy, so no
-rank holds the full logits. Per layer that costs two all-reduces of the activations [b, s, h]
-forward and two backward (see tensor_parallel.py for the operators).
+`tensor_parallel: T` splits a transformers causal LM over T ranks the way Megatron-LM does, by its
+family's plan (models/plans.py; GPT-2 and the Llama-style families have one): each rank holds
+n_head/T attention heads (its slices of q, k and v; with grouped-query attention also of the
+key/value heads), 1/T of the MLP units, and vocab/T rows of the token embedding and of the LM head
+(one matrix when they are tied); the loss is a vocabulary-parallel cross-entropy, so no rank holds
+the full logits. Per layer that costs two all-reduces of the activations [b, s, h] forward and two
+backward (see tensor_parallel.py for the operators).
 
 With num_workers = T x D, rank r sits at (dp = r // T, tp = r % T): the T ranks of a
 tensor-parallel group are adjacent (within a node first, where links are fastest) and read the
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,18 +37,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import models
 from ..metrics.memory import SavedActivations
+from ..models import causal_lm
+from ..models.causal_lm import SPLIT_FAMILIES
 from . import tensor_parallel as tp_ops
 from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
 from .tensor_parallel import TPGroup
 
-# How each split style cuts a Conv1D's (or the embedding's) parameters: name -> (dim, parts).
-# Conv1D weights are [in, out]. A row-parallel bias is replicated: it is added once, after the sum.
-SPLITS: dict[str, dict[str, tuple[int, int]]] = {
-    "colwise": {"weight": (1, 1), "bias": (0, 1)},
-    "colwise_qkv": {"weight": (1, 3), "bias": (0, 3)},
-    "rowwise": {"weight": (0, 1)},
-    "vocab": {"weight": (0, 1)},
+# How each split style cuts a layer's parameters: name -> (dim, parts). transformers' Conv1D (GPT-2)
+# stores weights [in, out], nn.Linear [out, in]. A row-parallel bias is replicated: it is added once,
+# after the sum. Embeddings and LM heads are [vocab, width].
+SPLITS: dict[tuple[str, str], dict[str, tuple[int, int]]] = {
+    ("colwise", "Conv1D"): {"weight": (1, 1), "bias": (0, 1)},
+    ("colwise_qkv", "Conv1D"): {"weight": (1, 3), "bias": (0, 3)},
+    ("rowwise", "Conv1D"): {"weight": (0, 1)},
+    ("colwise", "Linear"): {"weight": (0, 1), "bias": (0, 1)},
+    ("rowwise", "Linear"): {"weight": (1, 1)},
+    ("vocab", "Embedding"): {"weight": (0, 1)},
+    ("vocab", "Linear"): {"weight": (0, 1)},
 }
 TP_RNG_OFFSET = 2718  # Megatron-LM's: the attention-dropout seed of tensor-parallel rank r is seed + 2718 + r
 
@@ -62,29 +71,22 @@ class Options:
     checkpoints_reshard = True
 
     def validate(self, spec, error) -> None:
-        from .. import models  # config imports strategies: import the model registry lazily
-
         t = self.tensor_parallel
         if t < 1:
             error("strategy.tensor_parallel", t, "must be >= 1", "use e.g. 2")
         if self.bucket_cap_mb <= 0:
             error("strategy.bucket_cap_mb", self.bucket_cap_mb, "must be > 0", "use e.g. 25 (PyTorch's default)")
         m = spec.model
-        if m.name not in models.GPT2_NAMES:
-            error("model.name", m.name, "megatron splits transformer layers (attention heads, MLP units, vocabulary); "
-                  f"{m.name} has none", f"use a GPT-2 model ({', '.join(models.GPT2_NAMES)}), or strategy ddp for "
-                  f"{m.name}")
-        sizes = models.gpt2_sizes(m)
-        if sizes["n_embd"] % t:
-            error("model.n_embd", sizes["n_embd"], f"the hidden size does not split over tensor_parallel {t}",
-                  f"use a multiple of {t} (e.g. {_next_multiple(sizes['n_embd'], t)}), or a tensor_parallel dividing it")
-        if sizes["n_head"] % t:
-            error("model.n_head", sizes["n_head"], f"the attention heads do not split over tensor_parallel {t}",
-                  f"use a multiple of {t} heads dividing n_embd {sizes['n_embd']}, or a tensor_parallel dividing "
-                  f"{sizes['n_head']}")
-        if spec.data.vocab_size % t:
-            error("data.vocab_size", spec.data.vocab_size, f"the vocabulary does not split over tensor_parallel {t}",
-                  f"use a multiple of {t}, e.g. {_next_multiple(spec.data.vocab_size, t)}")
+        plan = models.tensor_parallel_plan(m)
+        if plan is None:
+            error("model.name", m.name, "megatron splits transformer layers (attention heads, MLP units, vocabulary) "
+                  f"by a plan, and {m.name}{_model_type(m)} has none",
+                  f"use a GPT-2 model ({', '.join(models.GPT2_NAMES)}) or a causal-lm config of model_type "
+                  f"{', '.join(SPLIT_FAMILIES)}, or strategy ddp / zero-3 / fsdp, which train any model")
+        for field_, value, what in plan.divisible:
+            if value % t:
+                error(field_, value, f"the {what} do not split over tensor_parallel {t}",
+                      f"use a multiple of {t} (e.g. {_next_multiple(value, t)}), or a tensor_parallel dividing {value}")
         if spec.train.optimizer == "lamb" and t > 1:
             error("train.optimizer", "lamb", "LAMB scales each tensor's step by the norm of the whole tensor, and "
                   "tensor parallel holds slices of them", "use adamw or sgd with megatron, or tensor_parallel: 1")
@@ -101,29 +103,39 @@ class Options:
         return num_workers // self.tensor_parallel
 
 
+def _model_type(m) -> str:
+    config = getattr(m.options, "config", None)
+    return f" (model_type {causal_lm.load(m.options).model_type})" if config else ""
+
+
 def _next_multiple(n: int, k: int) -> int:
     return max(k, -(-n // k) * k)
 
 
-class TensorParallelGPT2(nn.Module):
-    """The transformer of a GPT2LMHeadModel with its layers split; forward returns the mean LM loss.
+class TensorParallelLM(nn.Module):
+    """The backbone of a transformers causal LM with its layers split, and this rank's rows of the
+    LM head; forward returns the mean LM loss. Submodules keep the plain model's names
+    (`transformer.*` / `model.*`, `lm_head.*` when untied), so shards' state dicts do too.
 
-    The LM head is the (tied, vocabulary-parallel) token embedding: logits of this rank's vocabulary
-    slice only, padded rows masked out."""
+    The LM head gives logits of this rank's vocabulary slice only, padded rows masked out."""
 
-    def __init__(self, lm: nn.Module, tp: TPGroup, vocab_size: int):
+    def __init__(self, lm: nn.Module, head: tp_ops.VocabParallelEmbedding, tied: bool, tp: TPGroup, vocab_size: int):
         super().__init__()
-        self.transformer, self.tp, self.vocab_size = lm.transformer, tp, vocab_size
-        wte = self.transformer.wte
-        self.vocab_start = wte.start
-        ids = torch.arange(wte.start, wte.start + wte.weight.shape[0])
+        self.prefix = lm.base_model_prefix
+        self.add_module(self.prefix, lm.base_model)
+        if not tied:
+            self.lm_head = head
+        object.__setattr__(self, "head", head)  # registered once, in the backbone or as lm_head
+        self.tp, self.vocab_size = tp, vocab_size
+        self.vocab_start = head.start
+        ids = torch.arange(head.start, head.start + head.weight.shape[0])
         self.register_buffer("padding", ids >= vocab_size, persistent=False)
         self.padded = bool(self.padding.any())
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """This rank's logits [tokens, vocab/T]."""
-        hidden = self.transformer(input_ids=input_ids, use_cache=False).last_hidden_state
-        logits = torch.mm(tp_ops.copy_to(hidden.flatten(0, 1), self.tp), self.transformer.wte.weight.t())
+        hidden = getattr(self, self.prefix)(input_ids=input_ids, use_cache=False).last_hidden_state
+        logits = torch.mm(tp_ops.copy_to(hidden.flatten(0, 1), self.tp), self.head.weight.t())
         logits = logits.float()  # the softmax in fp32 also under 16-bit autocast
         return logits.masked_fill(self.padding, float("-inf")) if self.padded else logits
 
@@ -143,41 +155,59 @@ class TensorParallelGPT2(nn.Module):
         return torch.stack([loss.sum(), torch.tensor(float(labels.numel()), device=loss.device), correct.sum().float()])
 
 
-def split_gpt2(lm: nn.Module, tp: TPGroup, rng: tp_ops.ParallelRNG) -> tuple[TensorParallelGPT2, dict[str, tuple]]:
-    """Split a plain GPT2LMHeadModel in place for tensor-parallel rank tp.rank of tp.size.
-    Returns the split model and, for every split parameter (plain names), its (dim, parts)."""
-    from ..models.gpt2 import TENSOR_PARALLEL_PLAN
+@dataclass
+class Split:
+    """What splitting a model left behind: every split parameter's (dim, parts) by plain name, the
+    parameters cut by vocabulary row (padded to a multiple of T), and the tied LM head's name."""
 
-    if lm.get_output_embeddings().weight is not lm.get_input_embeddings().weight:
-        raise ValueError("megatron needs GPT-2's LM head tied to the token embedding (tie_word_embeddings)")
+    model: TensorParallelLM
+    cuts: dict[str, tuple[int, int]]
+    vocab: set[str]
+    tied_head: str | None
+
+
+def split_lm(lm: nn.Module, tp: TPGroup, rng: tp_ops.ParallelRNG) -> Split:
+    """Split a plain transformers causal LM in place for tensor-parallel rank tp.rank of tp.size, by
+    its family's plan."""
+    plan = models.tensor_parallel_plan_of(lm)
     vocab_size, t = lm.config.vocab_size, tp.size
-    splits: dict[str, tuple[int, int]] = {}
+    input_embeddings, output_embeddings = lm.get_input_embeddings(), lm.get_output_embeddings()
+    tied = output_embeddings.weight is input_embeddings.weight
+    module_names = {id(m): n for n, m in lm.named_modules()}
+    cuts: dict[str, tuple[int, int]] = {}
+    vocab: set[str] = set()
+    replaced: dict[int, nn.Module] = {}
     for name, module in list(lm.named_modules()):
-        style = next((s for pattern, s in TENSOR_PARALLEL_PLAN.items() if re.fullmatch(pattern, name)), None)
-        if style is None:
+        style = next((s for pattern, s in plan.layers.items() if re.fullmatch(pattern, name)), None)
+        if style is None or (tied and module is output_embeddings):  # a tied head is the embedding
             continue
-        cuts = {k: SPLITS[style][k] for k in ("weight", "bias") if k in SPLITS[style]}
-        splits.update({f"{name}.{k}": cut for k, cut in cuts.items()})
+        layout = SPLITS[(style, type(module).__name__)]
+        params = {k: cut for k, cut in layout.items() if getattr(module, k, None) is not None}
+        cuts.update({f"{name}.{k}": cut for k, cut in params.items()})
         if style == "vocab":
             # Megatron pads the vocabulary to a multiple of T (the tokenizer's size is known only once
             # the data is prepared); the padding rows are zeros whose logits are masked out.
             rows = -(-vocab_size // t)
-            full = torch.cat([module.weight.data, module.weight.new_zeros(rows * t - vocab_size, module.weight.shape[1])])
+            w = module.weight.data
+            full = torch.cat([w, w.new_zeros(rows * t - w.shape[0], w.shape[1])])
             new = tp_ops.VocabParallelEmbedding(full[tp.rank * rows:(tp.rank + 1) * rows].clone(), tp.rank * rows, tp)
+            vocab.add(f"{name}.weight")
         else:
-            local = {k: tp_ops.shard(getattr(module, k).data, *cut, tp.rank, t) for k, cut in cuts.items()}
-            if style.startswith("colwise"):
-                new = tp_ops.ColumnParallelConv1D(local["weight"], local["bias"], tp)
-            else:
-                new = tp_ops.RowParallelConv1D(local["weight"], module.bias.data, tp)
+            local = {k: tp_ops.shard(getattr(module, k).data, *cut, tp.rank, t) for k, cut in params.items()}
+            bias = local.get("bias", module.bias.data if module.bias is not None else None)
+            new = tp_ops.PARALLEL_LAYERS[(style.removesuffix("_qkv"), type(module).__name__)](local["weight"], bias, tp)
         parent, _, attr = name.rpartition(".")
-        setattr(lm.get_submodule(parent), attr, new)
-    for block in lm.transformer.h:  # attention over this rank's heads only
-        attn = block.attn
-        attn.num_heads, attn.split_size, attn.embed_dim = attn.num_heads // t, attn.split_size // t, attn.embed_dim // t
-        attn.tp_rng = rng
+        setattr(lm.get_submodule(parent) if parent else lm, attr, new)
+        replaced[id(module)] = new
+    if plan.localize:
+        plan.localize(lm, t)
+    for module in lm.modules():  # attention draws its dropout from the tensor-parallel stream
+        if type(module).__name__.endswith("Attention"):
+            module.tp_rng = rng
     _run_attention_in_split_region(lm)
-    return TensorParallelGPT2(lm, tp, vocab_size), splits
+    head = replaced[id(input_embeddings if tied else output_embeddings)]
+    tied_head = f"{module_names[id(output_embeddings)]}.weight" if tied else None
+    return Split(TensorParallelLM(lm, head, tied, tp, vocab_size), cuts, vocab, tied_head)
 
 
 def _run_attention_in_split_region(lm: nn.Module) -> None:
@@ -187,12 +217,13 @@ def _run_attention_in_split_region(lm: nn.Module) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
-
     inner_name = lm.config._attn_implementation
     if inner_name.startswith("tensor_parallel_"):
         return
-    inner = eager_attention_forward if inner_name == "eager" else ALL_ATTENTION_FUNCTIONS[inner_name]
+    if inner_name == "eager":  # each model file has its own eager attention
+        inner = sys.modules[type(lm).__module__].eager_attention_forward
+    else:
+        inner = ALL_ATTENTION_FUNCTIONS[inner_name]
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         if module.training and kwargs.get("dropout", 0.0) > 0:
@@ -234,7 +265,8 @@ class MegatronEngine(Engine):
         self.vocab_size = model.config.vocab_size
         self.rng = tp_ops.ParallelRNG(train.seed + TP_RNG_OFFSET + self.tp.rank, self.device)
         self.plain_keys = list(model.state_dict())  # names (and order) of the plain model's state dict
-        self.model, self.splits = split_gpt2(model, self.tp, self.rng)
+        split = split_lm(model, self.tp, self.rng)
+        self.model, self.splits, self.vocab_names, self.tied_head = split.model, split.cuts, split.vocab, split.tied_head
         self.model.to(self.device)
         self.dp_bytes = 0
         if self._dp_size > 1:
@@ -321,27 +353,28 @@ class MegatronEngine(Engine):
     # -- gathering and re-splitting ----------------------------------------------------------------
     def _join(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
         full = tp_ops.unshard(shards, *self.splits[name])
-        return full[:self.vocab_size] if name == "transformer.wte.weight" else full
+        return full[:self.vocab_size] if name in self.vocab_names else full
 
     def _cut(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        if name == "transformer.wte.weight":
+        if name in self.vocab_names:
             padded = -(-self.vocab_size // self.tp.size) * self.tp.size
             full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
         return tp_ops.shard(full, *self.splits[name], self.tp.rank, self.tp.size)
 
     def full_state_dict(self):
-        """The plain GPT2LMHeadModel's state dict (transformers' names, lm_head tied), on every rank."""
+        """The plain model's state dict (transformers' names, a tied LM head included), on every rank."""
         out = {}
         for name, p in self.model.state_dict().items():
             if name in self.splits and self.tp.size > 1:
                 shards = [torch.empty_like(p) for _ in range(self.tp.size)]
                 dist.all_gather(shards, p.contiguous(), group=self.tp.group)
                 out[name] = self._join(name, shards)
-            elif name == "transformer.wte.weight":
+            elif name in self.vocab_names:
                 out[name] = p[:self.vocab_size]
             else:
                 out[name] = p
-        out["lm_head.weight"] = out["transformer.wte.weight"]
+        if self.tied_head:
+            out[self.tied_head] = out[next(iter(self.vocab_names))]
         return {k: out[k] for k in self.plain_keys}
 
     # -- checkpoints -------------------------------------------------------------------------------

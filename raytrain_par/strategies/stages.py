@@ -9,7 +9,7 @@ for pipeline rank p and data-parallel replica d, so the D replicas of one stage 
 ranks (one node, for their gradient all-reduce) and the stages of one pipeline talk point to point.
 
 Split. Models list their layers (models.pipeline_layers: GPT-2 embeddings / blocks / norm + head,
-VGG convolutions / classifier layers); a stage is a contiguous run of layers. The split balances
+Llama-style embeddings / decoder layers / norm + head, VGG convolutions / classifier layers); a stage is a contiguous run of layers. The split balances
 the stages' forward FLOPs (`balance: flops`, counted by torch's FlopCounterMode on meta-device
 copies of the layers: no compute, and every rank and every resumed run derives the same split) or their parameter counts (`balance: params`), or follows `split_points`.
 
@@ -56,7 +56,15 @@ def validate_layout(spec, error, stages: int, stages_total: int, microbatches: i
         error("scaling.num_workers", n, f"does not split into pipelines of {stages} stages "
               "(num_workers = stages x data-parallel replicas)", f"use a multiple of {stages}, e.g. {lo}")
     layers = models.pipeline_layer_count(spec.model)
-    what = "embeddings, blocks, head" if spec.model.name in models.GPT2_NAMES else "convolutions, classifier layers"
+    if layers is None:
+        from ..models.causal_lm import SPLIT_FAMILIES, load
+
+        error("model.config", spec.model.options.config, f"a pipeline cannot split model_type "
+              f"{load(spec.model.options).model_type!r}: it knows the layers of {', '.join(SPLIT_FAMILIES)}",
+              "use a config of one of those families, or a strategy that trains the whole model "
+              "(ddp, zero-1/2/3, fsdp)")
+        return
+    what = models.family_of(spec.model.name).LAYERS
     if stages_total > layers:
         error("strategy.stages", stages, f"{stages_total} stages but {spec.model.name} has {layers} layers "
               f"({what}) to split between", f"use at most {layers} stages in all (stages x virtual_stages)")

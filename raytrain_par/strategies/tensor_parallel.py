@@ -109,6 +109,33 @@ class RowParallelConv1D(nn.Module):
         return y.view(*x.shape[:-1], -1)
 
 
+class _SplitLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup):
+        super().__init__()
+        self.weight, self.tp = nn.Parameter(weight), tp
+        self.bias = nn.Parameter(bias) if bias is not None else None
+
+
+class ColumnParallelLinear(_SplitLinear):
+    """nn.Linear's layout ([out, in]) with this rank's output rows: y_local = x @ W[rows].T + b[rows]."""
+
+    def forward(self, x):
+        return F.linear(copy_to(x, self.tp), self.weight, self.bias)
+
+
+class RowParallelLinear(_SplitLinear):
+    """nn.Linear's layout with this rank's input columns: y = sum over ranks of x_local @ W[:, cols].T, + b."""
+
+    def forward(self, x):
+        y = reduce_from(F.linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y  # bias once, after the sum
+
+
+# The split layer for a (style, plain layer type) pair.
+PARALLEL_LAYERS = {("colwise", "Conv1D"): ColumnParallelConv1D, ("rowwise", "Conv1D"): RowParallelConv1D,
+                   ("colwise", "Linear"): ColumnParallelLinear, ("rowwise", "Linear"): RowParallelLinear}
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + rows) of the (padded) embedding: ids elsewhere look up zeros, the sum over
     ranks is the full lookup."""

@@ -1,0 +1,209 @@
+"""Any transformers decoder-only causal LM, randomly initialised from its config.json.
+
+    model: {name: causal-lm, config: configs/llama-tiny.json}           # or the directory holding it
+    model: {name: causal-lm, config: llama/, overrides: {num_hidden_layers: 4}}
+
+The config is read with transformers' AutoConfig (model_type decides the class) and the model built
+with AutoModelForCausalLM.from_config: nothing is downloaded, weights are random. `overrides`
+changes config fields (a sweep can vary them: `model.overrides.num_hidden_layers`).
+
+Every strategy that treats the model as a whole (ddp, zero-1/2/3, fsdp) trains any such model.
+Tensor parallel and pipeline splitting need to know its layers: GPT-2 configs use GPT-2's (see
+gpt2.py), and the Llama-style families (LLAMA_STYLE: same module names, rotary position
+embeddings, SwiGLU MLP, grouped-query attention) are split here; another model_type under
+megatron or a pipeline is an error that names these families.
+
+The vocabulary is the config's `vocab_size`: a BPE trained on the corpus gets `data.vocab_size`
+tokens (by default the config's), a user's tokenizer must fit in it; rows the tokenizer does not
+use are never predicted as labels. The config's maximum positions must cover `data.seq_len`.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from . import gpt2, lm
+from .plans import TensorParallelPlan, llama_style
+from .task import Task
+
+NAMES = ("causal-lm",)
+KIND = "text"
+LAYERS = "embeddings, decoder layers, final norm + head"
+LLAMA_STYLE = ("llama", "mistral", "qwen2")
+SPLIT_FAMILIES = ("gpt2",) + LLAMA_STYLE  # model_types megatron and the pipelines can split
+
+
+@dataclass
+class Options:
+    """`model:` keys of causal-lm."""
+
+    config: str  # a transformers config.json, or the directory holding one
+    overrides: Optional[dict] = None  # config fields to change, e.g. {num_hidden_layers: 2}
+
+    def validate(self, spec, error) -> None:
+        config = load(self)
+        positions = max_positions(config)
+        if positions is not None and positions < spec.data.seq_len:
+            error("data.seq_len", spec.data.seq_len, f"longer than the {positions} positions of {self.config}",
+                  f"use data.seq_len <= {positions}, or raise max_position_embeddings in model.overrides")
+        if spec.data.vocab_size is not None and spec.data.vocab_size > config.vocab_size:
+            error("data.vocab_size", spec.data.vocab_size,
+                  f"more tokens than the model's vocab_size {config.vocab_size} ({self.config})",
+                  f"use data.vocab_size <= {config.vocab_size}, or remove it to take the config's")
+
+    def vocab_size(self) -> int:
+        return load(self).vocab_size
+
+
+def _path(options: Options) -> Path:
+    path = Path(options.config).expanduser()
+    return path / "config.json" if path.is_dir() else path
+
+
+def load(options: Options):
+    """The transformers config (a fresh copy), checked to be a decoder-only causal LM."""
+    path = _path(options)
+    stamp = path.stat().st_mtime_ns if path.is_file() else None
+    return copy.deepcopy(_load(str(path), stamp, json.dumps(options.overrides or {}, sort_keys=True), options.config))
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, stamp, overrides_json: str, given: str):
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    if stamp is None:
+        raise ConfigError("model.config", given, "no such file",
+                          "give the path of a transformers config.json, or of the directory holding one")
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError("model.config", given, f"not a JSON file ({e})", "give a transformers config.json") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in CONFIG_MAPPING_NAMES:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING_NAMES), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError("model.config", given, f"model_type {model_type!r} is not one transformers knows{hint}",
+                          "give a transformers config.json with its model_type, e.g. 'llama', 'gpt2', 'qwen2'")
+    if (model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or raw.get("is_encoder_decoder")
+            or model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+        raise ConfigError("model.config", given, f"model_type {model_type!r} is not a decoder-only causal LM",
+                          "give the config of a decoder-only causal LM (gpt2, llama, mistral, qwen2, ...)")
+    overrides = json.loads(overrides_json)
+    known = AutoConfig.for_model(model_type).to_dict()
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            raise ConfigError(f"model.overrides.{key}", overrides[key], f"{model_type} configs have no such field",
+                              f"{'did you mean ' + repr(close[0]) + '? ' if close else ''}use a field of config.json")
+    fields = {k: v for k, v in raw.items() if k != "model_type"}
+    fields.update(overrides)
+    # Training only: with a key/value cache every attention layer would keep copies of k and v.
+    fields["use_cache"] = False
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def max_positions(config) -> int | None:
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def build(name: str, options: Options, info) -> tuple[nn.Module, Task]:
+    from transformers import AutoModelForCausalLM
+
+    return lm.finish(AutoModelForCausalLM.from_config(load(options)), "causal-lm", info)
+
+
+def _layers_count(config) -> int:
+    return getattr(config, "num_hidden_layers", None) or config.n_layer
+
+
+def pipeline_layer_count(name: str, options: Options) -> int | None:
+    config = load(options)
+    return _layers_count(config) + 2 if config.model_type in SPLIT_FAMILIES else None
+
+
+def tensor_parallel_plan(name: str, options: Options) -> TensorParallelPlan | None:
+    return plan_of_config(load(options))
+
+
+def plan_of(model: nn.Module) -> TensorParallelPlan | None:
+    return plan_of_config(model.config)
+
+
+def plan_of_config(config) -> TensorParallelPlan | None:
+    if config.model_type == "gpt2":
+        return gpt2.plan(config.n_embd, config.n_head, "model.overrides.")
+    if config.model_type in LLAMA_STYLE:
+        return llama_style(config, "model.overrides.")
+    return None
+
+
+export = lm.export
+
+
+# -- pipeline layers ---------------------------------------------------------------------------------
+# Llama-style models split between the token embedding, each decoder layer, and the final norm with
+# the LM head. A decoder layer needs the rotary position embeddings and the causal mask the model
+# would give it: each rebuilds them from its input (positions 0..T-1; no packed sequences).
+
+def _positions(x: torch.Tensor) -> torch.Tensor:
+    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+
+
+class Embeddings(nn.Module):
+    def __init__(self, embed_tokens):
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, layer, rotary_emb, config, index: int):
+        super().__init__()
+        self.layer, self.rotary_emb, self.config = layer, rotary_emb, config
+        types = getattr(config, "layer_types", None)
+        # Qwen2 names each layer's attention; Mistral slides its window whenever one is set.
+        self.sliding = (types[index] == "sliding_attention" if types
+                        else getattr(config, "sliding_window", None) is not None)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        positions = _positions(hidden)
+        make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+        # Positions are 0..T-1 (no packed sequences): the mask need not look for them.
+        mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None)
+        rotary = self.rotary_emb(hidden, position_ids=positions)
+        return self.layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+
+
+class Head(nn.Module):
+    def __init__(self, norm, lm_head):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
+def pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    if model.config.model_type == "gpt2":
+        return gpt2.pipeline_layers(model)
+    base = model.model
+    return [Embeddings(base.embed_tokens),
+            *(DecoderLayer(layer, base.rotary_emb, model.config, i) for i, layer in enumerate(base.layers)),
+            Head(base.norm, model.lm_head)]

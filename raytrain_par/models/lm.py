@@ -1,0 +1,31 @@
+"""What the transformers language-model families (gpt2, causal-lm) share: the task, the example
+input, and export as a `save_pretrained` directory with the run's tokenizer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .task import LanguageModelling
+
+
+def finish(model: nn.Module, family: str, info) -> tuple[nn.Module, LanguageModelling]:
+    """Mark a freshly built LM with its family and input (one row of data.seq_len token ids)."""
+    model.family, model.input_shape, model.input_dtype = family, (info.seq_len,), torch.long
+    return model, LanguageModelling()
+
+
+def check_dropout(dropout, error) -> None:
+    if dropout is not None and not 0.0 <= dropout < 1.0:
+        error("model.dropout", dropout, "must be in [0, 1)", "use e.g. 0.1, or 0 for none")
+
+
+def export(model: nn.Module, out: Path, spec, info) -> None:
+    """transformers' `save_pretrained` directory (AutoModelForCausalLM.from_pretrained loads it), with
+    the tokenizer the run trained on as tokenizer.json."""
+    model.save_pretrained(out)
+    if info.tokenizer_path and Path(info.tokenizer_path).exists():
+        shutil.copy2(info.tokenizer_path, Path(out) / "tokenizer.json")

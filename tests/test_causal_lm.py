@@ -1,0 +1,136 @@
+"""Any transformers causal LM from a config.json: a tiny Llama (grouped-query attention, SwiGLU,
+rotary embeddings, untied embeddings) trains under ddp, zero-3, fsdp, megatron T=2 and a 2-stage
+pipeline with the losses of one process; bad configs are refused before anything starts."""
+
+import json
+
+import pytest
+import torch
+
+from engines import experiment, exported_val_loss, train_cases
+from raytrain_par import config, models
+from raytrain_par.errors import ConfigError
+from raytrain_par.local_group import run_ranks
+
+SEQ, VOCAB = 32, 512
+LLAMA = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+             hidden_act="silu", rms_norm_eps=1e-6)
+STRATEGIES = {
+    "ddp": "ddp",
+    "zero-3": "zero-3",
+    "fsdp": "fsdp",
+    "megatron": {"name": "megatron", "tensor_parallel": 2},
+    "pipeline": {"name": "pipeline", "schedule": "1f1b", "stages": 2},
+}
+
+
+def write_config(directory, **changes) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({**LLAMA, **changes}))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_config(tmp_path_factory.mktemp("llama"))
+
+
+def spec_of(path, **kw):
+    return experiment({"name": "causal-lm", "config": path}, {"name": "kjv", "seq_len": SEQ}, **kw)
+
+
+@pytest.fixture(scope="module")
+def runs(llama, info):
+    info_dict = info("kjv", seq_len=SEQ, vocab_size=VOCAB)
+    ref = run_ranks(1, train_cases, [(spec_of(llama), info_dict, 4)], group_of_one=True)[0][0]
+    cases = [(spec_of(llama, strategy=s, workers=2), info_dict, 4) for s in STRATEGIES.values()]
+    return {"ref": ref, "info": info_dict, "two": dict(zip(STRATEGIES, run_ranks(2, train_cases, cases)[0]))}
+
+
+def test_the_config_builds_a_llama_with_its_own_vocabulary(llama):
+    spec = config.parse(spec_of(llama))
+    assert spec.data.vocab_size == VOCAB  # the BPE's size defaults to the config's
+    model, _ = models.build_on_meta(spec.model, models_info(spec))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert model.model.layers[0].self_attn.k_proj.out_features == 2 * 16  # 2 key/value heads of 16
+    assert models.pipeline_layer_count(spec.model) == 4
+
+
+def models_info(spec):
+    from raytrain_par import data
+
+    return data.shape_of(spec.data)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_every_strategy_trains_the_llama_like_one_process(runs, strategy):
+    assert runs["two"][strategy]["losses"] == pytest.approx(runs["ref"]["losses"], rel=1e-5)
+
+
+def test_split_models_gather_to_the_plain_model(runs):
+    ref = runs["ref"]["state"]
+    for strategy in ("megatron", "pipeline", "fsdp"):
+        state = runs["two"][strategy]["state"]
+        assert set(state) == set(ref), strategy
+        for k in ref:
+            assert torch.allclose(state[k], ref[k], atol=1e-4), (strategy, k)
+
+
+def test_megatron_through_ray_exports_a_model_transformers_loads(ray_cluster, llama, runs, tmp_path):
+    from raytrain_par.driver import run_experiment
+
+    spec = config.parse({**spec_of(llama, strategy=STRATEGIES["megatron"], workers=2, steps=3),
+                         "output_dir": str(tmp_path)})
+    spec.train.eval_every_steps = 1
+    spec.data.max_val_samples = 16
+    result = run_experiment(spec, log=lambda *_: None)
+    assert result.error is None, result.error
+    losses = [r["train_loss"] for r in result.records if r["step"] > 0]
+    assert losses == pytest.approx(runs["ref"]["losses"][:3], rel=1e-5)
+    last = result.records[-1]
+    assert exported_val_loss(result.results_dir, runs["info"], 16, spec.model) == pytest.approx(last["val_loss"],
+                                                                                              abs=1e-5)
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+def test_a_config_that_is_not_a_decoder_only_causal_lm_is_refused(tmp_path):
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 512}))
+    with pytest.raises(ConfigError) as e:
+        config.parse(spec_of(str(bert)))
+    assert e.value.field == "model.config" and "not a decoder-only causal LM" in e.value.problem
+
+
+@pytest.mark.parametrize("changes,strategy,field,words", [
+    ({"num_key_value_heads": 1}, STRATEGIES["megatron"], "model.overrides.num_key_value_heads", "key/value heads"),
+    ({"num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 64}, {"name": "megatron",
+     "tensor_parallel": 4}, "model.overrides.num_attention_heads", "attention heads"),
+    ({"model_type": "gpt_neox", "num_attention_heads": 4}, STRATEGIES["megatron"], "model.name", "gpt2, llama"),
+    ({"model_type": "gpt_neox", "num_attention_heads": 4}, STRATEGIES["pipeline"], "model.config", "llama, mistral"),
+    ({"max_position_embeddings": 16}, "ddp", "data.seq_len", "positions"),
+    ({"vocab_size": 100}, "ddp", "data.vocab_size", "more tokens"),
+    ({"model_type": "lama"}, "ddp", "model.config", "did you mean 'llama'"),
+])
+def test_bad_configs_are_refused_before_start(tmp_path, changes, strategy, field, words):
+    path = write_config(tmp_path / "model", **changes)
+    raw = {"name": "bad", "model": {"name": "causal-lm", "config": path},
+           "data": {"name": "kjv", "seq_len": SEQ, **({"vocab_size": 512} if "vocab_size" in changes else {})},
+           "strategy": strategy if isinstance(strategy, dict) else {"name": strategy},
+           "scaling": {"num_workers": 4}, "train": {"global_batch_size": 16}}
+    with pytest.raises(ConfigError) as e:
+        config.parse(raw)
+    assert e.value.field == field and words in str(e.value) and e.value.fix, str(e.value)
+
+
+def test_a_missing_config_and_an_unknown_override_are_refused(tmp_path, llama):
+    with pytest.raises(ConfigError, match="no such file"):
+        config.parse(spec_of(str(tmp_path / "nowhere")))
+    raw = spec_of(llama)
+    raw["model"]["overrides"] = {"num_hiden_layers": 1}
+    with pytest.raises(ConfigError) as e:
+        config.parse(raw)
+    assert e.value.field == "model.overrides.num_hiden_layers" and "num_hidden_layers" in e.value.fix
