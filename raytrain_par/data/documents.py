@@ -106,7 +106,7 @@ def _field_of(record, field: str, where: str) -> str:
     if field not in record or not isinstance(record[field], str):
         strings = [k for k, v in record.items() if isinstance(v, str)]
         problem = (f"has no key {field!r} (its keys: {', '.join(map(repr, record)) or 'none'})" if field not in record
-                   else f"holds a {type(record[field]).__name__} under {field!r}, not a string")
+                   else f"holds a value of type {type(record[field]).__name__} under {field!r}, not a string")
         raise DataUnavailable(f"data.field = {field!r}: the record at {where} {problem}.\n"
                               "  fix: set data.field to the key that holds the document's text"
                               + (f", e.g. data.field: {strings[0]}" if strings else ""))
@@ -149,7 +149,7 @@ def check(spec) -> None:
         elif fmt == "jsonl":
             for _ in zip(range(CHECK_RECORDS), _jsonl(f, spec.field)):
                 pass
-    require_text(documents(found, fmt, spec.field), f"data.path = {spec.path!r}",
+    require_text(documents(found, fmt, spec.field), f"data.path = {spec.path!r}", "the corpus",
                  "give files with text in them: txt one document per line, jsonl one JSON object per line with "
                  "the text under data.field, parquet a string column data.field")
 

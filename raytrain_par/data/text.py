@@ -118,7 +118,7 @@ def _non_blank(doc: str) -> Iterator[str]:
 
 def wikitext_check(spec) -> None:
     files = wikitext_files(spec.path)
-    require_text(wikitext_documents(files["train"]), f"data.path = {spec.path!r}: {files['train'].name}",
+    require_text(wikitext_documents(files["train"]), f"data.path = {spec.path!r}", files["train"].name,
                  "check that the file is not empty or truncated")
 
 
@@ -131,10 +131,10 @@ def wikitext_corpus(spec, tokenizers: Path, key: str) -> Corpus:
                   bpe_file=tokenizers / f"wikitext-{key}.json")
 
 
-def require_text(documents: Iterable[str], where: str, fix: str) -> None:
+def require_text(documents: Iterable[str], field: str, what: str, fix: str) -> None:
     """Raise DataUnavailable unless the (non-blank) document stream holds at least one document."""
     if next(iter(documents), None) is None:
-        raise DataUnavailable(f"{where} holds no text (not one non-blank document).\n  fix: {fix}")
+        raise DataUnavailable(f"{field}: {what} holds no text (not one non-blank document).\n  fix: {fix}")
 
 
 # -- tokenizers ----------------------------------------------------------------------------------
@@ -200,14 +200,14 @@ def eos_id(tokenizer) -> int | None:
 
 # -- documents -> rows ---------------------------------------------------------------------------
 
-def token_chunks(tokenizer, documents: Iterable[str], batch: int = ENCODE_BATCH) -> Iterator[np.ndarray]:
+def token_chunks(tokenizer, documents: Iterable[str], batch: int | None = None) -> Iterator[np.ndarray]:
     """The documents as one int32 token stream, in pieces of `batch` documents, each document followed
     by the end-of-document id (if the tokenizer has one). The tokenizer's own special tokens (a BOS a
     template may add) are left out."""
     eos = eos_id(tokenizer)
     tail = [np.asarray([eos], dtype=np.int32)] if eos is not None else []
     docs = iter(documents)
-    while chunk := list(islice(docs, batch)):
+    while chunk := list(islice(docs, batch or ENCODE_BATCH)):
         parts = []
         for enc in tokenizer.encode_batch(chunk, add_special_tokens=False):
             parts += [np.asarray(enc.ids, dtype=np.int32), *tail]
