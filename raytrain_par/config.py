@@ -349,7 +349,7 @@ def validate(spec: ExperimentSpec) -> None:
         readers = [n for n, ds in data_sets.SETS.items() if key in ds.takes]
         _check(value == default or key in data_sets.SETS[d.name].takes, f"data.{key}", value,
                f"{d.name} does not read it; sets that do: {', '.join(readers)}",
-               f"remove it, or train on your own files with data.name: text")
+               "remove it, or train on your own files with data.name: text")
     _check(bool(d.field.strip()), "data.field", d.field, "must name the JSON key or Parquet column of the text",
            "use e.g. text (the default)")
     if d.tokenizer is not None:
