@@ -74,7 +74,11 @@ class ModelSpec:
 @dataclass
 class DataSpec:
     name: str
-    path: Optional[str] = None  # wikitext-103 and imagenet-folder: where the files are
+    path: Optional[str] = None  # wikitext-103 and imagenet-folder: where the files are; text: a glob of files
+    # text: how the files are read (default: from their suffix), and the JSON key or Parquet column of the text
+    format: Optional[Literal["txt", "jsonl", "parquet"]] = None
+    field: str = "text"
+    tokenizer: Optional[str] = None  # text, wikitext-103: a directory holding tokenizer.json (default: train a BPE)
     seq_len: int = 128  # text: tokens per training row
     # text: size of the byte-level BPE trained on the corpus; default: the model's vocab_size (a
     # causal-lm config's), else DEFAULT_VOCAB_SIZE
@@ -88,7 +92,7 @@ class DataSpec:
 
     @property
     def effective_loader(self) -> str:
-        return self.loader or ("stream" if self.name in data_sets.NEEDS_PATH else "memory")
+        return self.loader or (data_sets.SETS[self.name].loader if self.name in data_sets.SETS else "memory")
 
 
 @dataclass
@@ -354,8 +358,19 @@ def validate(spec: ExperimentSpec) -> None:
     m.options.validate(spec, lambda *a: _check(False, *a))
 
     if d.name in data_sets.NEEDS_PATH:
-        _check(bool(d.path), "data.path", d.path, f"{d.name} is read from a directory you provide",
-               "set data.path to the directory (on shared storage on a multi-node cluster)")
+        _check(bool(d.path), "data.path", d.path, f"{d.name} is read from {data_sets.SETS[d.name].path}",
+               "set data.path to where they are (on shared storage on a multi-node cluster)")
+    for key in data_sets.OPTIONAL_KEYS:
+        value, default = getattr(d, key), DataSpec.__dataclass_fields__[key].default
+        readers = [n for n, ds in data_sets.SETS.items() if key in ds.takes]
+        _check(value == default or key in data_sets.SETS[d.name].takes, f"data.{key}", value,
+               f"{d.name} does not read it; sets that do: {', '.join(readers)}",
+               "remove it, or train on your own files with data.name: text")
+    _check(bool(d.field.strip()), "data.field", d.field, "must name the JSON key or Parquet column of the text",
+           "use e.g. text (the default)")
+    if d.tokenizer is not None:
+        _check(bool(d.tokenizer.strip()), "data.tokenizer", d.tokenizer, "is empty",
+               "give the directory holding tokenizer.json, or remove it to train a BPE on the corpus")
     if data_kind == "text":
         _check(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2", "use e.g. 128")
         _check(d.vocab_size >= 260, "data.vocab_size", d.vocab_size, "must be >= 260 (256 bytes + special tokens)",

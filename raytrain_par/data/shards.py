@@ -17,10 +17,13 @@ from typing import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
 ROWS_PER_SHARD = 16384
+# Validation fraction held out of sets with no validation split of their own.
+DEFAULT_VAL_FRACTION = 0.05
 
 
 @dataclass
@@ -61,13 +64,77 @@ class DatasetInfo:
 
 def write_split(directory: Path, columns: dict[str, np.ndarray]) -> int:
     """Write one split (`columns`: equal-length arrays, first axis = rows) as Parquet shards."""
-    directory.mkdir(parents=True, exist_ok=True)
-    n = len(next(iter(columns.values())))
-    for i, start in enumerate(range(0, max(n, 1), ROWS_PER_SHARD)):
-        stop = min(start + ROWS_PER_SHARD, n)
-        table = pa.table({name: _column(arr[start:stop]) for name, arr in columns.items()})
-        pq.write_table(table, directory / f"part-{i:05d}.parquet")
-    return n
+    with SplitWriter(directory) as out:
+        out.add(columns)
+    return out.num_rows
+
+
+class SplitWriter:
+    """Writes one split as it arrives, a shard of ROWS_PER_SHARD rows at a time, so that a split larger
+    than memory never has to be held whole. `add` takes columns (as `write_split`) or an Arrow table;
+    leaving the `with` block writes the last, partial shard (an empty one if no row came)."""
+
+    def __init__(self, directory: Path):
+        self.directory, self.num_rows, self.shards = directory, 0, 0
+        self.pending: list[pa.Table] = []
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> "SplitWriter":
+        return self
+
+    def add(self, rows: dict[str, np.ndarray] | pa.Table) -> None:
+        table = rows if isinstance(rows, pa.Table) else pa.table({k: _column(v) for k, v in rows.items()})
+        self.pending.append(table)
+        self.num_rows += len(table)
+        while sum(len(t) for t in self.pending) >= ROWS_PER_SHARD:
+            self._write(ROWS_PER_SHARD)
+
+    def _write(self, n: int) -> None:
+        table = pa.concat_tables(self.pending)
+        pq.write_table(table.slice(0, n), self.directory / f"part-{self.shards:05d}.parquet")
+        self.shards += 1
+        self.pending = [table.slice(n)] if n < len(table) else []
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None and (self.pending or self.shards == 0):
+            self.pending = self.pending or [pa.table({})]
+            self._write(sum(len(t) for t in self.pending))
+        return False
+
+
+def write_batches(batches: Iterable[dict[str, np.ndarray]], directory: Path) -> int:
+    """Write a split that arrives as batches of columns; returns its row count."""
+    with SplitWriter(directory) as split:
+        for batch in batches:
+            split.add(batch)
+    return split.num_rows
+
+
+def split_rows(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (sorted) of the training and the held-out validation rows of a split of n rows."""
+    perm = np.random.default_rng(seed).permutation(n)
+    n_val = max(1, int(round(n * fraction)))
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def write_held_out(batches: Iterable[dict[str, np.ndarray]], out: Path, fraction: float, seed: int) -> tuple[int, int]:
+    """out/train and out/val from rows that arrive as batches, `fraction` of them (chosen as `split_rows`
+    chooses them) held out for validation. The rows are written once as they come, then sorted into
+    the two splits shard by shard: only the row count's permutation is held in memory."""
+    every = out / "rows"
+    n = write_batches(batches, every)
+    held = np.zeros(n, dtype=bool)
+    held[split_rows(n, fraction, seed)[1]] = True
+    start = 0
+    with SplitWriter(out / "train") as train, SplitWriter(out / "val") as val:
+        for f in sorted(every.glob("*.parquet"), key=lambda f: int(f.stem.split("-")[1])):  # written order
+            table = pq.read_table(f)
+            mask = pa.array(held[start:start + len(table)])
+            start += len(table)
+            train.add(table.filter(pc.invert(mask)))
+            val.add(table.filter(mask))
+    shutil.rmtree(every)
+    return train.num_rows, val.num_rows
 
 
 def _column(arr: np.ndarray) -> pa.Array:
