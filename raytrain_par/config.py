@@ -373,8 +373,9 @@ def validate(spec: ExperimentSpec) -> None:
                "give the directory holding tokenizer.json, or remove it to train a BPE on the corpus")
     if data_kind == "text":
         _check(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2", "use e.g. 128")
-        _check(d.vocab_size >= 260, "data.vocab_size", d.vocab_size, "must be >= 260 (256 bytes + special tokens)",
-               "use e.g. 8192")
+        if d.tokenizer is None:  # a BPE of vocab_size tokens is trained on the corpus
+            _check(d.vocab_size >= 260, "data.vocab_size", d.vocab_size,
+                   "must be >= 260 (256 bytes + special tokens)", "use e.g. 8192")
     if d.image_size is not None:
         _check(d.name == "imagenet-folder", "data.image_size", d.image_size,
                "only imagenet-folder images are decoded at a chosen size", "remove it; use model.image_size to resize")
@@ -494,7 +495,19 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None, check_
         raise e.with_source(str(path)) from None
     if check_data:
         data_sets.check_available(spec.data)
+        check_tokenizer_fits(spec)
     return spec
+
+
+def check_tokenizer_fits(spec: ExperimentSpec) -> None:
+    """A user's tokenizer (data.tokenizer) must fit the vocabulary a model config fixes (causal-lm);
+    models sized by the data (gpt2) take the tokenizer's size."""
+    tokens, vocab = data_sets.tokenizer_vocab_size(spec.data), spec.model.options.vocab_size()
+    if tokens and vocab and tokens > vocab:
+        raise ConfigError("data.tokenizer", spec.data.tokenizer,
+                          f"its {tokens} tokens do not fit the model's vocab_size {vocab}",
+                          f"use a tokenizer of at most {vocab} tokens, or set model.overrides.vocab_size to at "
+                          f"least {tokens}")
 
 
 def from_dict(d: dict) -> ExperimentSpec:

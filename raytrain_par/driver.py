@@ -204,7 +204,8 @@ def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdi
 
 
 # What a checkpoint must agree on with the experiment that resumes it.
-RESUME_KEYS = ("model", "data.name", "data.seq_len", "data.vocab_size", "data.seed", "data.val_fraction", "strategy",
+RESUME_KEYS = ("model", "data.name", "data.path", "data.format", "data.field", "data.tokenizer", "data.seq_len",
+               "data.vocab_size", "data.seed", "data.val_fraction", "strategy",
                "scaling.num_workers", "train.optimizer", "train.global_batch_size", "train.seed")
 
 

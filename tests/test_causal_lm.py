@@ -134,3 +134,20 @@ def test_a_missing_config_and_an_unknown_override_are_refused(tmp_path, llama):
     with pytest.raises(ConfigError) as e:
         config.parse(raw)
     assert e.value.field == "model.overrides.num_hiden_layers" and "num_hidden_layers" in e.value.fix
+
+
+def test_a_user_tokenizer_larger_than_the_config_vocabulary_is_refused(tmp_path, llama):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    (tmp_path / "tok").mkdir()
+    Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB + 10)}, unk_token="w0")).save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "corpus.txt").write_text("w1 w2 w3\n" * 100)
+    raw = spec_of(llama)
+    raw["data"] = {"name": "text", "path": str(tmp_path / "corpus.txt"), "tokenizer": str(tmp_path / "tok"),
+                   "seq_len": SEQ}
+    spec = config.parse(raw)
+    with pytest.raises(ConfigError) as e:
+        config.check_tokenizer_fits(spec)
+    assert e.value.field == "data.tokenizer" and f"{VOCAB + 10} tokens" in e.value.problem
+    assert "model.overrides.vocab_size" in e.value.fix
