@@ -18,6 +18,9 @@ class ConfigError(UserError):
         where = f"{self.source}: " if self.source else ""
         return f"{where}{self.field} = {self.value!r}: {self.problem}\n  fix: {self.fix}"
 
+    def __reduce__(self):  # raised in a Ray worker, it travels back to the driver pickled
+        return type(self), (self.field, self.value, self.problem, self.fix, self.source)
+
     def with_source(self, source: str) -> "ConfigError":
         self.source = source
         self.args = (self._format(),)

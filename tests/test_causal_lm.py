@@ -16,6 +16,9 @@ SEQ, VOCAB = 32, 512
 LLAMA = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
              hidden_act="silu", rms_norm_eps=1e-6)
+# Qwen2: biases on q, k, v and a tied LM head; Mistral: a sliding window shorter than the rows.
+OTHERS = {"qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
+          "mistral": dict(model_type="mistral", sliding_window=8)}
 STRATEGIES = {
     "ddp": "ddp",
     "zero-3": "zero-3",
@@ -41,11 +44,19 @@ def spec_of(path, **kw):
 
 
 @pytest.fixture(scope="module")
-def runs(llama, info):
+def runs(llama, info, tmp_path_factory):
     info_dict = info("kjv", seq_len=SEQ, vocab_size=VOCAB)
-    ref = run_ranks(1, train_cases, [(spec_of(llama), info_dict, 4)], group_of_one=True)[0][0]
+    others = {name: write_config(tmp_path_factory.mktemp(name), **changes) for name, changes in OTHERS.items()}
+    refs = run_ranks(1, train_cases, [(spec_of(p), info_dict, 4) for p in (llama, *others.values())],
+                     group_of_one=True)[0]
     cases = [(spec_of(llama, strategy=s, workers=2), info_dict, 4) for s in STRATEGIES.values()]
-    return {"ref": ref, "info": info_dict, "two": dict(zip(STRATEGIES, run_ranks(2, train_cases, cases)[0]))}
+    split = [(name, s) for name in others for s in ("megatron", "pipeline")]
+    cases += [(spec_of(others[name], strategy=STRATEGIES[s], workers=2), info_dict, 4) for name, s in split]
+    two = run_ranks(2, train_cases, cases)[0]
+    by_case = dict(zip(split, two[len(STRATEGIES):]))
+    return {"ref": refs[0], "info": info_dict, "two": dict(zip(STRATEGIES, two)),
+            "others": {name: (ref, {s: by_case[name, s] for s in ("megatron", "pipeline")})
+                       for name, ref in zip(others, refs[1:])}}
 
 
 def test_the_config_builds_a_llama_with_its_own_vocabulary(llama):
@@ -67,6 +78,14 @@ def models_info(spec):
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_every_strategy_trains_the_llama_like_one_process(runs, strategy):
     assert runs["two"][strategy]["losses"] == pytest.approx(runs["ref"]["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("family", list(OTHERS))
+def test_qwen2_and_mistral_split_like_one_process(runs, family):
+    ref, split = runs["others"][family]
+    for strategy, out in split.items():
+        assert out["losses"] == pytest.approx(ref["losses"], rel=1e-5), strategy
+        assert set(out["state"]) == set(ref["state"]), strategy
 
 
 def test_split_models_gather_to_the_plain_model(runs):
@@ -151,3 +170,14 @@ def test_a_user_tokenizer_larger_than_the_config_vocabulary_is_refused(tmp_path,
         config.check_tokenizer_fits(spec)
     assert e.value.field == "data.tokenizer" and f"{VOCAB + 10} tokens" in e.value.problem
     assert "model.overrides.vocab_size" in e.value.fix
+
+
+def test_a_relative_config_path_reaches_workers_absolute_and_errors_survive_pickling(llama, monkeypatch):
+    import pickle
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(llama).parent)
+    spec = config.parse(spec_of(Path(llama).name))
+    assert spec.model.options.config == str(Path(llama).resolve())
+    err = pickle.loads(pickle.dumps(ConfigError("model.config", "x", "no such file", "give a path")))
+    assert err.field == "model.config" and "fix: give a path" in str(err)

@@ -52,6 +52,8 @@ class Options:
 
     def validate(self, spec, error) -> None:
         config = load(self)
+        # Workers start in another directory: they are given the absolute path (the same file).
+        self.config = str(Path(self.config).expanduser().resolve())
         positions = max_positions(config)
         if positions is not None and positions < spec.data.seq_len:
             error("data.seq_len", spec.data.seq_len, f"longer than the {positions} positions of {self.config}",
