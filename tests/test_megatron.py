@@ -136,8 +136,12 @@ def reference_scenarios(rank, world, info_dict, tmp):
     }
 
 
-def hybrid_scenarios(rank, world, info_dict):
-    return {"clip": train(experiment(strategy=megatron(2), workers=4, steps=STEPS, **CLIP), info_dict, STEPS)}
+def hybrid_scenarios(rank, world, info_dict, tmp):
+    """T2 x D2: data-parallel replicas by DDP, and sharded by FSDP2 (with an engine checkpoint and resume)."""
+    sharded = {**megatron(2), "data_parallel_sharding": "fsdp"}
+    return {"clip": train(experiment(strategy=megatron(2), workers=4, steps=STEPS, **CLIP), info_dict, STEPS),
+            "fsdp": train(experiment(strategy=sharded, workers=4, steps=STEPS, **CLIP), info_dict, STEPS,
+                          checkpoint=Path(tmp) / "fsdp")}
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +154,8 @@ def runs(info, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hybrid(info):
-    return run_ranks(4, hybrid_scenarios, info("kjv"))
+def hybrid(info, tmp_path_factory):
+    return run_ranks(4, hybrid_scenarios, info("kjv"), str(tmp_path_factory.mktemp("hybrid")))
 
 
 # -- parity --------------------------------------------------------------------------------------
@@ -172,13 +176,21 @@ def test_tensor_parallel_matches_single_process(runs, case):
     assert t2[0][case]["val"] == pytest.approx(ref["val"], rel=1e-5)
 
 
-def test_tensor_by_data_parallel_matches_single_process(runs, hybrid):
+@pytest.mark.parametrize("case", ["clip", "fsdp"])
+def test_tensor_by_data_parallel_matches_single_process(runs, hybrid, case):
+    """T2 x D2 with accumulation, clipping (one norm over tensor, data and replicated parameters),
+    decay and a schedule; `fsdp` shards each tensor-parallel shard over the replicas (torchtitan's 2D)."""
     ref = runs["ref"]["clip"]
     for r in range(4):
-        assert hybrid[r]["clip"]["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-5)
+        assert hybrid[r][case]["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-5)
     for name, want in ref["state"].items():
-        torch.testing.assert_close(hybrid[0]["clip"]["state"][name], want, atol=WEIGHT_ATOL, rtol=1e-4, msg=name)
-    assert hybrid[0]["clip"]["val"] == pytest.approx(ref["val"], rel=1e-5)
+        torch.testing.assert_close(hybrid[0][case]["state"][name], want, atol=WEIGHT_ATOL, rtol=1e-4, msg=name)
+    assert hybrid[0][case]["val"] == pytest.approx(ref["val"], rel=1e-5)
+
+
+def test_sharded_tensor_parallel_resumes_bit_exactly(hybrid):
+    for r in range(4):
+        assert hybrid[r]["fsdp"]["resumed_losses"] == hybrid[r]["fsdp"]["losses"][-2:]
 
 
 def test_megatron_with_one_rank_is_the_plain_model(runs):
@@ -328,6 +340,25 @@ def test_megatron_through_ray_matches_single_process(ray_cluster, runs, tmp_path
         "megatron-tp0-of-2.pt", "megatron-tp1-of-2.pt", "loop.json"}
     # `raytrain-par export` joins the shards into a plain GPT-2 that scores the run's validation loss
     assert exported_val_loss(result.results_dir, runs["info"], 16) == pytest.approx(last["val_loss"], abs=1e-5)
+
+
+def test_sharded_tensor_by_data_parallel_through_ray(ray_cluster, runs, tmp_path):
+    """FSDP x T2 on 4 Ray workers: the per-step losses of one process, and a checkpoint of whole
+    tensor-parallel shards (the same files as with replicated data parallel)."""
+    from raytrain_par.driver import run_experiment
+
+    strategy = {**megatron(2), "data_parallel_sharding": "fsdp"}
+    raw = {**experiment(strategy=strategy, workers=4, steps=STEPS, **CLIP), "output_dir": str(tmp_path)}
+    raw["scaling"]["cpus_per_worker"] = 0.5
+    spec = config.parse(raw)
+    spec.train.eval_every_steps = 1
+    spec.data.max_val_samples = 16
+    result = run_experiment(spec, log=lambda *_: None)
+    assert result.error is None, result.error
+    losses = [r["train_loss"] for r in result.records if r["step"] > 0]
+    assert losses == pytest.approx(runs["ref"]["clip"]["losses"], abs=1e-5, rel=1e-5)
+    checkpoints = sorted(p for p in (tmp_path / "parity" / "train").glob("checkpoint_*") if p.is_dir())
+    assert {p.name for p in checkpoints[-1].iterdir()} >= {"megatron-tp0-of-2.pt", "megatron-tp1-of-2.pt"}
 
 
 def test_resume_may_change_the_tensor_parallel_layout_but_not_the_model(tmp_path):

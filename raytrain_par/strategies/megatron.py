@@ -11,7 +11,9 @@ backward (see tensor_parallel.py for the operators).
 With num_workers = T x D, rank r sits at (dp = r // T, tp = r % T): the T ranks of a
 tensor-parallel group are adjacent (within a node first, where links are fastest) and read the
 same data-parallel slice; each tensor-parallel shard is wrapped in DDP over its D replicas, so
-gradients are averaged only within the data-parallel group.
+gradients are averaged only within the data-parallel group. With `data_parallel_sharding: fsdp`
+the shard is instead split once more over the D replicas by FSDP2 (each transformer block a unit,
+then the rest), torchtitan's 2D layout: tensor parallel inside, sharded data parallel outside.
 
 Randomness: the default generator is seeded identically on every rank (models.build), so dropout
 of replicated activations (embedding, residual) draws the same mask on all ranks of a group and
@@ -20,7 +22,9 @@ per-rank stream (seed + 2718 + tp rank, as Megatron-LM) forked out of the defaul
 on different ranks get independent masks and the default stream advances exactly as with T = 1.
 
 Checkpoints: the first data-parallel replica's T ranks each write their shard (model, optimizer,
-scheduler, attention-dropout stream) with the parameter names of the plain model. A checkpoint
+scheduler, attention-dropout stream) with the parameter names of the plain model (under fsdp the
+replicas first gather their slices of it), so a checkpoint does not depend on the data-parallel
+sharding either. A checkpoint
 written with one T loads with another: shards are joined and re-split, parameter by parameter.
 """
 
@@ -30,6 +34,7 @@ import contextlib
 import re
 import sys
 from dataclasses import dataclass
+from typing import Literal
 from pathlib import Path
 
 import torch
@@ -66,6 +71,10 @@ class Options:
 
     tensor_parallel: int  # T: ranks each layer is split over; num_workers = T x data-parallel replicas
     bucket_cap_mb: float = 25.0  # DDP buckets of the data-parallel gradient all-reduce
+    # How the data-parallel replicas hold each tensor-parallel shard: `none` replicates it (DDP,
+    # Megatron-LM's layout), `fsdp` shards it again over the replicas with FSDP2 (torchtitan's 2D:
+    # parameters, gradients and optimizer state / D per worker; all-gathers and reduce-scatters).
+    data_parallel_sharding: Literal["none", "fsdp"] = "none"
 
     #: a checkpoint loads with another tensor_parallel and worker count (shards are joined and re-cut)
     checkpoints_reshard = True
@@ -90,6 +99,9 @@ class Options:
         if spec.train.optimizer == "lamb" and t > 1:
             error("train.optimizer", "lamb", "LAMB scales each tensor's step by the norm of the whole tensor, and "
                   "tensor parallel holds slices of them", "use adamw or sgd with megatron, or tensor_parallel: 1")
+        if self.data_parallel_sharding == "fsdp" and spec.train.optimizer == "lamb":
+            error("train.optimizer", "lamb", "data_parallel_sharding fsdp holds slices of every tensor, and LAMB "
+                  "scales each tensor's step by the norm of the whole tensor", "use adamw or sgd")
         if spec.train.precision == "fp16":
             error("train.precision", "fp16", "megatron computes in 16 bits by autocast and has no loss scaler",
                   "use bf16 (autocast, no scaling needed) or fp32")
@@ -122,6 +134,7 @@ class TensorParallelLM(nn.Module):
     def __init__(self, lm: nn.Module, head: tp_ops.VocabParallelEmbedding, tied: bool, tp: TPGroup, vocab_size: int):
         super().__init__()
         self.prefix = lm.base_model_prefix
+        self._no_split_modules = lm._no_split_modules  # the blocks FSDP shards one by one
         self.add_module(self.prefix, lm.base_model)
         if not tied:
             self.lm_head = head
@@ -142,8 +155,10 @@ class TensorParallelLM(nn.Module):
     def token_losses(self, input_ids, labels) -> torch.Tensor:
         return tp_ops.vocab_parallel_cross_entropy(self.logits(input_ids), labels.flatten(), self.vocab_start, self.tp)
 
-    def forward(self, input_ids, labels):
-        return self.token_losses(input_ids, labels).mean()
+    def forward(self, input_ids, labels, sums: bool = False):
+        """The mean loss; with `sums`, evaluation's sums (through forward, so that FSDP gathers the
+        parameters it holds at the root)."""
+        return self.eval_sums(input_ids, labels) if sums else self.token_losses(input_ids, labels).mean()
 
     @torch.no_grad()
     def eval_sums(self, input_ids, labels) -> torch.Tensor:
@@ -237,6 +252,25 @@ def _run_attention_in_split_region(lm: nn.Module) -> None:
     lm.set_attn_implementation(name)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (an FSDP-sharded DTensor's local slice; a plain tensor itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _whole(t):
+    """An FSDP-sharded DTensor gathered whole (a collective over its mesh); anything else as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _slice_like(value, param):
+    """A whole tensor cut into this rank's slice of `param`'s FSDP layout (no communication)."""
+    if param is None or not hasattr(param, "device_mesh") or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
 def _count_ddp_allreduce(engine: "MegatronEngine", bucket):
     """DDP comm hook: PyTorch's default all-reduce, counting the bytes it sends."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -253,12 +287,13 @@ class MegatronEngine(Engine):
         if ctx.world_size % t:
             raise ValueError(f"world size {ctx.world_size} is not a multiple of tensor_parallel {t}")
         self._dp_size, self._dp_rank = ctx.world_size // t, ctx.rank // t
-        tp_group = self._dp_group = None
+        tp_group = self._dp_group = mesh = None
         if ctx.distributed:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = init_device_mesh(ctx.device.type, (self._dp_size, t), mesh_dim_names=("dp", "tp"))
             tp_group, self._dp_group = mesh.get_group("tp"), mesh.get_group("dp")
+        self.fsdp = options.data_parallel_sharding == "fsdp" and self._dp_size > 1
         # After the process groups: their communication buffers are not model state.
         super().__init__(model, task, train, options, ctx, total_steps)
         self.tp = TPGroup(tp_group, t, ctx.rank % t)
@@ -269,7 +304,16 @@ class MegatronEngine(Engine):
         self.model, self.splits, self.vocab_names, self.tied_head = split.model, split.cuts, split.vocab, split.tied_head
         self.model.to(self.device)
         self.dp_bytes = 0
-        if self._dp_size > 1:
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            from .fsdp import shard_units
+
+            for unit in shard_units(self.model):
+                fully_shard(unit, mesh=mesh["dp"])
+            fully_shard(self.model, mesh=mesh["dp"])
+            self.module = self.model
+        elif self._dp_size > 1:
             self.module = DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 process_group=self._dp_group, bucket_cap_mb=options.bucket_cap_mb, gradient_as_bucket_view=True)
@@ -280,7 +324,8 @@ class MegatronEngine(Engine):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train, total_steps))
         self.names = {p: n for n, p in self.model.named_parameters()}
         self.activation_bytes: int | None = None
-        self.step_comm = {"comm_tp_allreduce_bytes_per_step": 0, "comm_dp_allreduce_bytes_per_step": 0}
+        self.step_comm = {"comm_tp_allreduce_bytes_per_step": 0,
+                          "comm_dp_allreduce_bytes_per_step": None if self.fsdp else 0}
 
     # -- layout ------------------------------------------------------------------------------------
     @property
@@ -302,11 +347,16 @@ class MegatronEngine(Engine):
         total = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
-            sync = self.module.no_sync() if self.dp_size > 1 and not last else contextlib.nullcontext()
-            # Activations: what autograd keeps for backward in one micro-batch's forward (measured once).
+            sync = contextlib.nullcontext()
+            if self.fsdp:  # reduce-scatter on the last micro-batch only; the others accumulate
+                self.module.set_requires_gradient_sync(last)
+            elif self.dp_size > 1 and not last:
+                sync = self.module.no_sync()
+            # Activations: what autograd keeps for backward in one micro-batch's forward (measured once;
+            # under fsdp it includes the gathered weights the backward pass needs).
             saved = SavedActivations() if self.activation_bytes is None else None
             with sync:
-                with saved.track(self.model.parameters()) if saved else contextlib.nullcontext():
+                with saved.track(map(_local, self.model.parameters())) if saved else contextlib.nullcontext():
                     prepared = self.task.prepare(mb, self.device)
                     with self.autocast():
                         loss = self.module(prepared["input_ids"], prepared["labels"]) / len(micro)
@@ -318,19 +368,24 @@ class MegatronEngine(Engine):
             self.clip_grad_norm(self.train.grad_clip)
         self.optimizer_step()
         self.step_comm = {"comm_tp_allreduce_bytes_per_step": self.tp.bytes_reduced,
-                          "comm_dp_allreduce_bytes_per_step": self.dp_bytes}
+                          "comm_dp_allreduce_bytes_per_step": None if self.fsdp else self.dp_bytes}
         return total
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm of the whole model's gradient: split parameters' squares summed over the
-        tensor-parallel group, replicated ones (identical on every rank) counted once."""
+        """Clip by the norm of the whole model's gradient, each parameter counted once: split parameters'
+        squares summed over the tensor-parallel group, replicated ones (identical on every rank of it)
+        once; under fsdp each rank holds a slice of every gradient, summed over the data-parallel group
+        first. The same coefficient as clip_grad_norm_ on the plain model."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        split = [p.grad for p in params if self.names[p] in self.splits]
-        replicated = [p.grad for p in params if self.names[p] not in self.splits]
-        norm = torch.nn.utils.get_total_norm
-        split_sq = (norm(split) ** 2 if split else torch.zeros(())).to(self.device).reshape(1)
-        total = (self.tp.all_reduce(split_sq) + norm(replicated) ** 2).sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.reshape(()))
+        split = [_local(p.grad) for p in params if self.names[p] in self.splits]
+        replicated = [_local(p.grad) for p in params if self.names[p] not in self.splits]
+        zero = torch.zeros((), device=self.device)
+        squares = torch.stack([torch.nn.utils.get_total_norm(g) ** 2 if g else zero for g in (split, replicated)])
+        if self.fsdp:
+            dist.all_reduce(squares, group=self.dp_group)
+        total = (self.tp.all_reduce(squares[:1]) + squares[1:]).sqrt().reshape(())
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(split + replicated, coefficient)
         return total
 
     @torch.no_grad()
@@ -340,7 +395,7 @@ class MegatronEngine(Engine):
         for batch in batches:
             prepared = self.task.prepare(batch, self.device)
             with self.autocast():
-                sums += self.model.eval_sums(prepared["input_ids"], prepared["labels"]).double()
+                sums += self.model(prepared["input_ids"], prepared["labels"], sums=True).double()
         self.model.train()
         sums = self.dp_sum(sums)
         return self.task.summarize(*[float(x) for x in sums])
@@ -364,7 +419,7 @@ class MegatronEngine(Engine):
     def full_state_dict(self):
         """The plain model's state dict (transformers' names, a tied LM head included), on every rank."""
         out = {}
-        for name, p in self.model.state_dict().items():
+        for name, p in self._shard_state().items():
             if name in self.splits and self.tp.size > 1:
                 shards = [torch.empty_like(p) for _ in range(self.tp.size)]
                 dist.all_gather(shards, p.contiguous(), group=self.tp.group)
@@ -381,12 +436,19 @@ class MegatronEngine(Engine):
     def _file(self, rank: int, size: int) -> str:
         return f"megatron-tp{rank}-of-{size}.pt"
 
+    def _shard_state(self) -> dict[str, torch.Tensor]:
+        """This rank's tensor-parallel shard of the model state, whole over the data-parallel replicas
+        (under fsdp an all-gather over them: every rank calls it)."""
+        return {k: _whole(v) for k, v in self.model.state_dict().items()}
+
     def save(self, directory: Path) -> None:
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {i: {k: _whole(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
+        model = self._shard_state()
         if self.dp_rank != 0:
             return  # every data-parallel replica holds the same shards
-        optimizer = self.optimizer.state_dict()
         order = [self.names[p] for g in self.optimizer.param_groups for p in g["params"]]
-        torch.save({"model": self.model.state_dict(), "optimizer": optimizer, "optimizer_names": order,
+        torch.save({"model": model, "optimizer": optimizer, "optimizer_names": order,
                     "scheduler": self.scheduler.state_dict(), "rng": self.rng.state, "vocab_size": self.vocab_size},
                    directory / self._file(self.tp.rank, self.tp.size))
 
@@ -401,6 +463,12 @@ class MegatronEngine(Engine):
         else:  # written with another T: join every parameter's shards and cut this rank's
             shards = [load_tensors(directory / self._file(r, saved_size), torch.device("cpu")) for r in range(saved_size)]
             state = self._resplit(shards)
+        if self.fsdp:  # this replica's slices of the whole shard, laid out as the parameters
+            params = dict(self.model.named_parameters())
+            state["model"] = {k: _slice_like(v, params.get(k)) for k, v in state["model"].items()}
+            order = [p for g in self.optimizer.param_groups for p in g["params"]]
+            state["optimizer"]["state"] = {i: {k: _slice_like(v, order[int(i)]) for k, v in s.items()}
+                                           for i, s in state["optimizer"]["state"].items()}
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
