@@ -5,6 +5,7 @@ seconds; training these tiny models costs less) and returns what the tests compa
 """
 
 import copy
+import gc
 import itertools
 
 import pytest
@@ -144,6 +145,54 @@ def _two_ranks(rank, world, info_dict, info_dict_images, checkpoint_dir):
     spec, engine = run.engine(spec_dict, 6)
     pipedream["gpipe"] = {"losses": run.steps(spec, engine, 0, 6)}
     out["pipedream"] = pipedream
+    out["bf16"] = _bf16(rank, info_dict, info_dict_images)
+    return out
+
+
+def _bf16_cases():
+    """(name, model, data, strategy, train) trained in bf16 and in fp32, 8 steps each."""
+    gpt = [(schedule, GPT, KJV, {"name": "pipeline", "schedule": schedule}, {})
+           for schedule in [*SYNC, "zbv"]]
+    gpt += [("pipedream", GPT, KJV, {"name": "pipedream"}, {}),
+            ("pipedream-2bw", GPT, KJV, {"name": "pipedream", "weight_versions": 2}, {})]
+    vgg = [("vgg-1f1b", VGG, "digits", {"name": "pipeline", "schedule": "1f1b", "balance": "params"},
+            {"batch": 32, "optimizer": "adamw", "lr": 1e-3})]
+    return gpt + vgg
+
+
+def _bf16(rank, info_dict, info_dict_images, steps=8):
+    """Each case in bf16 and in fp32 (losses, validation loss, dtypes, model-state bytes); and, on rank 0,
+    single-process ddp in bf16, to set against a bf16 pipeline of 8 microbatches (1F1B) and of 1 (GPipe)."""
+    out, runs = {}, {}
+
+    def train(run, spec_dict, distributed=True):
+        spec, engine = run.engine(spec_dict, steps, distributed)
+        losses = run.steps(spec, engine, 0, steps)
+        memory = engine.memory()
+        optimizers = [engine.optimizer, getattr(engine, "tied_optimizer", None)]
+        states = [t for o in optimizers if o is not None for state in o.state.values() for t in state.values()]
+        result = {"losses": losses, "val": run.validation(spec, engine),
+                  "dtypes": {str(t.dtype) for t in [*engine.full_state_dict().values(), *states]
+                             if t.is_floating_point()},
+                  "state": {k: memory[k] for k in ("mem_param_bytes", "mem_grad_bytes", "mem_optim_bytes")}}
+        del engine  # freed before the next engine counts what it holds
+        gc.collect()
+        return result
+
+    for name, model, data_, strategy, options in _bf16_cases():
+        key = "gpt" if model == GPT else "vgg"
+        if key not in runs:
+            runs[key] = Run(experiment(model, data_, strategy=strategy, workers=2, **options),
+                            info_dict if key == "gpt" else info_dict_images)
+        for precision in ("bf16", "fp32"):
+            out[name, precision] = train(runs[key], experiment(model, data_, strategy=strategy, workers=2,
+                                                               steps=steps, precision=precision, **options))
+    out["gpipe-1", "bf16"] = train(runs["gpt"], experiment(GPT, KJV, strategy={"name": "pipeline", "schedule": "gpipe",
+                                                                              "microbatches": 1},
+                                                           workers=2, steps=steps, precision="bf16"))
+    if rank == 0:
+        out["ddp", "bf16"] = train(runs["gpt"], experiment(GPT, KJV, workers=1, steps=steps, precision="bf16"),
+                                   distributed=False)
     return out
 
 
@@ -290,6 +339,40 @@ def test_pipedream_four_stages(four_ranks):
     assert two["stage_stash_bytes"] == [params[p] if p < 3 else 0 for p in range(4)]
 
 
+def test_bf16_trains_like_fp32(two_ranks):
+    """bf16 (autocast over fp32 weights) under every schedule and PipeDream, GPT-2 and VGG: each step's
+    loss within 3e-2 relative of the same run in fp32 (bf16's 8-bit mantissa moves a GPT-2 loss of ~6 by
+    ~2e-5 relative here), yet not equal to it (autocast did compute in bf16); evaluation likewise; the
+    weights and optimizer state stay fp32, holding the bytes they hold in fp32."""
+    runs = two_ranks[0]["bf16"]
+    for name, model, *_ in _bf16_cases():
+        bf16, fp32 = runs[name, "bf16"], runs[name, "fp32"]
+        assert bf16["losses"] == pytest.approx(fp32["losses"], rel=3e-2), name
+        assert bf16["losses"] != fp32["losses"], name
+        assert bf16["val"] == pytest.approx(fp32["val"], rel=3e-2) and bf16["val"] != fp32["val"], name
+        assert bf16["dtypes"] == {"torch.float32"}, name
+        assert bf16["state"] == fp32["state"], name
+        if model == GPT:  # (VGG barely moves from ln 10 in 8 steps)
+            assert bf16["losses"][-1] < bf16["losses"][0] - 0.2, name
+        for r in two_ranks[1:]:
+            assert r["bf16"][name, "bf16"]["losses"] == bf16["losses"], name
+
+
+def test_bf16_pipeline_matches_bf16_ddp(two_ranks):
+    """A bf16 pipeline computes what autocast computes in one process (ddp): the same ops in bf16, fp32
+    between stages as GPT-2's residual stream is under autocast. With one microbatch (the same rows in
+    every matmul) the losses agree to 1e-6. With 8 microbatches of 2 rows the matmuls sum in another
+    order, and a bf16 rounding that flips on the difference moves the loss by about as much as bf16
+    moves it from fp32 (~2e-5 relative): bound 1e-4."""
+    runs = two_ranks[0]["bf16"]
+    ddp = runs["ddp", "bf16"]
+    one, eight = runs["gpipe-1", "bf16"], runs["1f1b", "bf16"]
+    assert one["losses"] == pytest.approx(ddp["losses"], rel=1e-6, abs=0)
+    assert one["val"] == pytest.approx(ddp["val"], rel=1e-6, abs=0)
+    assert eight["losses"] == pytest.approx(ddp["losses"], rel=1e-4, abs=0)
+    assert eight["val"] == pytest.approx(ddp["val"], rel=1e-4, abs=0)
+
+
 def test_split_balances_and_follows_split_points(info):
     costs = [0.0, 3.0, 3.0, 3.0, 3.0, 9.0]
     points = partition(costs, 3)
@@ -314,18 +397,20 @@ def test_split_balances_and_follows_split_points(info):
     ({"name": "pipedream", "stages": 4, "weight_versions": 2, "microbatches": 2}, {"workers": 4},
      "strategy.microbatches", "two weight versions"),
     ({"name": "pipedream", "weight_versions": 3}, {}, "strategy.weight_versions", "not one of"),
-    ({"name": "pipeline"}, {"precision": "bf16"}, "train.precision", "fp32 only"),
-    ({"name": "pipedream"}, {"precision": "bf16"}, "train.precision", "fp32 only"),
+    ({"name": "pipeline"}, {"precision": "fp16", "use_gpu": True}, "train.precision", "no loss scaler"),
+    ({"name": "pipedream"}, {"precision": "fp16", "use_gpu": True}, "train.precision", "no loss scaler"),
 ])
 def test_bad_options_are_rejected_before_start(strategy, overrides, field, words):
     train = dict(overrides)
-    workers = train.pop("workers", 2)
+    scaling = {"num_workers": train.pop("workers", 2), "use_gpu": train.pop("use_gpu", False)}
     raw = {"name": "bad", "model": {"name": GPT}, "data": KJV, "strategy": strategy,
-           "scaling": {"num_workers": workers}, "train": {"global_batch_size": 16, "max_steps": 4, **train}}
+           "scaling": scaling, "train": {"global_batch_size": 16, "max_steps": 4, **train}}
     with pytest.raises(ConfigError) as e:
         config.parse(raw)
     assert e.value.field == field and words in str(e.value), str(e.value)
     assert "fix:" in str(e.value)
+    if field == "train.precision":
+        assert "use train.precision: bf16" in str(e.value)
 
 
 def test_strategy_set_from_the_command_line():

@@ -41,6 +41,14 @@ norm, which an asynchronous pipeline never holds at one moment, so it is refused
 the weights, optimizer state and counters; resuming restarts the pipeline empty (the microbatches in
 flight when it was written are dropped), so a resumed run is not identical to an uninterrupted one.
 The last step drains the pipeline, so the final model has every update.
+
+Mixed precision (`train.precision: bf16`) is autocast inside each stage's forward over fp32 weights,
+as for the synchronous pipeline (see pipeline.py: stashed versions, gradients and optimizer state stay
+fp32; activations and gradients travel in the dtype the layers produce in fp32). Unlike there, the
+autocast region is one forward pass, not the step: a stage updates its weights in place in the middle
+of a step, and a region spanning the update would hand later forward passes autocast's cached bf16
+copy of the old weights. Each microbatch in flight thus keeps its own bf16 copy of the weights it used
+until its backward pass (counted in `mem_activation_bytes`). fp16 is refused (no loss scaler).
 """
 
 from __future__ import annotations
@@ -117,7 +125,8 @@ class PipeDreamEngine(StagedLayout, Engine):
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
         super().__init__(model, task, train, options, ctx, total_steps)
         P = options.stages
-        self.pipe = pipe = Pipeline(model, ctx, P, P, lambda p: [p], options.split_points, options.balance)
+        self.pipe = pipe = Pipeline(model, ctx, P, P, lambda p: [p], options.split_points, options.balance,
+                                        train.precision)
         self.stage = pipe.local[0]
         self.module = pipe.modules[self.stage]
         self.lag = P - 1 - self.stage

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import models
-from .base import DistContext
+from .base import DTYPES, DistContext
 
 # -- options shared by the pipeline engines -----------------------------------------------------
 
@@ -45,9 +45,9 @@ def validate_layout(spec, error, stages: int, stages_total: int, microbatches: i
                     split_points: list[int] | None) -> None:
     """Checks every pipeline engine makes before anything starts: P, the workers, the layers, M."""
     n = spec.scaling.num_workers
-    if spec.train.precision != "fp32":
-        error("train.precision", spec.train.precision, "the pipeline engines train in fp32 only",
-              "use fp32, or a strategy with mixed precision (ddp, zero-1/2/3, fsdp, megatron)")
+    if spec.train.precision == "fp16":
+        error("train.precision", "fp16", "the pipeline engines compute in 16 bits by autocast and have no loss "
+              "scaler, which fp16 gradients need", "use train.precision: bf16 (fp32's range: no loss scaling)")
     if stages < 2:
         error("strategy.stages", stages, "a pipeline has at least 2 stages",
               "use 2 or more (strategy ddp trains the whole model on every worker)")
@@ -165,7 +165,7 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, ctx: DistContext, pipeline_ranks: int, num_stages: int,
                  stages_of: Callable[[int], list[int]], split_points: list[int] | None = None,
-                 balance: str = "flops"):
+                 balance: str = "flops", precision: str = "fp32"):
         P, S = pipeline_ranks, num_stages
         if ctx.world_size % P:
             raise ValueError(f"{ctx.world_size} workers do not split into pipelines of {P} ranks")
@@ -185,7 +185,8 @@ class Pipeline:
         self.layer_ranges = [(bounds[s], bounds[s + 1]) for s in range(S)]
         # What each stage sends on: (shape of one sample, dtype); a message of b rows is [b, *shape].
         self.outputs = [outputs[b - 1] for _, b in self.layer_ranges]
-        every = [nn.Sequential(*layers[a:b]) for a, b in self.layer_ranges]
+        every = [Stage(*layers[a:b], out_dtype=self.outputs[s][1], device_type=ctx.device.type, precision=precision)
+                 for s, (a, b) in enumerate(self.layer_ranges)]
 
         # Original names of each stage's state (by the model's own module paths) and tied parameters.
         paths: dict[int, str] = {}
@@ -378,6 +379,25 @@ class Pipeline:
         """An empty tensor for `rows` rows of what `stage` sends on."""
         shape, dtype = self.outputs[stage]
         return torch.empty(rows, *shape, dtype=dtype, device=self.device)
+
+
+class Stage(nn.Sequential):
+    """A stage's layers in a row. Under mixed precision its forward runs under autocast over the fp32
+    parameters, and its output leaves in the dtype the layers produce in fp32 (measured on meta copies,
+    see `measure_layers`): what every receiving buffer, and torch's shape inference (on meta tensors,
+    which autocast leaves alone), expect, whichever ops autocast lowered on this device."""
+
+    def __init__(self, *layers: nn.Module, out_dtype: torch.dtype, device_type: str, precision: str = "fp32"):
+        super().__init__(*layers)
+        self.out_dtype, self.device_type = out_dtype, device_type
+        self.compute_dtype = None if precision == "fp32" else DTYPES[precision]
+
+    def forward(self, x):
+        if self.compute_dtype is None:
+            return super().forward(x)
+        with torch.autocast(self.device_type, dtype=self.compute_dtype):
+            y = super().forward(x)
+        return y.to(self.out_dtype) if y.is_floating_point() else y
 
 
 @dataclass
