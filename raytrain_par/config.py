@@ -134,7 +134,8 @@ class TrainSpec:
     min_lr_ratio: float = 0.1  # cosine / linear decay ends at lr * min_lr_ratio
     grad_clip: float = 0.0  # max gradient norm; 0: no clipping
     # fp32, or mixed precision: bf16 / fp16 compute (how depends on the strategy: autocast for ddp,
-    # 16-bit parameters with fp32 master weights for zero-N, a MixedPrecisionPolicy for fsdp)
+    # megatron and the pipelines (per stage), 16-bit parameters with fp32 master weights for zero-N, a
+    # MixedPrecisionPolicy for fsdp)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 0
     eval_every_steps: Optional[int] = None  # default: at the end of every epoch
