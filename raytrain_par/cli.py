@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 import yaml
@@ -21,36 +22,55 @@ import yaml
 from .errors import UserError
 
 
+# One example per command, shown by `raytrain-par COMMAND --help`.
+EXAMPLES = {
+    "run": "raytrain-par run experiments/quickstart.yaml --set train.max_steps=20",
+    "sweep": "raytrain-par sweep experiments/sweep-workers-batch.yaml",
+    "report": "raytrain-par report results/quickstart",
+    "check": "raytrain-par check experiments/quickstart.yaml --set strategy.name=zero-2",
+    "data": "raytrain-par data experiments/vgg-fashion.yaml",
+    "cluster": "raytrain-par cluster validate clusters/aws-a100.yaml --experiment experiments/paper/gpt2-medium-wikitext.yaml",
+    "estimate": "raytrain-par estimate experiments/zero-memory.yaml --workers 1,2,4,8 --device-memory 80GiB",
+    "export": "raytrain-par export results/quickstart --out gpt2-quickstart",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="raytrain-par", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="raytrain-par", description=__doc__.split("\n\n")[0],
+                                epilog="start with: " + EXAMPLES["run"] + "\n(activate the environment first: "
+                                ". .venv/bin/activate)", formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, **kw):
+        return sub.add_parser(name, description=kw.get("help"), epilog=f"example:\n  {EXAMPLES[name]}",
+                              formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
     def experiment_args(sp):
         sp.add_argument("experiment", help="experiment YAML file")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field, e.g. --set train.epochs=3 (repeatable; value read as YAML)")
 
-    run = sub.add_parser("run", help="train one experiment on a Ray cluster")
+    run = add("run", help="train one experiment on a Ray cluster")
     experiment_args(run)
     run.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
     run.add_argument("--resume", action="store_true", help="continue the experiment's last run from its latest checkpoint")
 
-    sweep = sub.add_parser("sweep", help="run every trial of the experiment's sweep block with Ray Tune")
+    sweep = add("sweep", help="run every trial of the experiment's sweep block with Ray Tune")
     experiment_args(sweep)
     sweep.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
     sweep.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
 
-    report = sub.add_parser("report", help="write figures and a ranked Markdown summary of a run or sweep")
+    report = add("report", help="write figures and a ranked Markdown summary of a run or sweep")
     report.add_argument("results", help="results directory of an experiment, e.g. results/quickstart")
     report.add_argument("--out", help="where to write (default: the results directory)")
 
-    check = sub.add_parser("check", help="validate an experiment and print it with every default filled in")
+    check = add("check", help="validate an experiment and print it with every default filled in")
     experiment_args(check)
 
-    prep = sub.add_parser("data", help="prepare the experiment's data set into the cache")
+    prep = add("data", help="prepare the experiment's data set into the cache")
     experiment_args(prep)
 
-    cluster = sub.add_parser("cluster", help="work with the cluster files in clusters/")
+    cluster = add("cluster", help="work with the cluster files in clusters/")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True, metavar="ACTION")
     validate = cluster_sub.add_parser(
         "validate", help="check cluster-launcher YAMLs and KubeRay manifests offline (Ray's schema, structure, "
@@ -58,19 +78,26 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("files", nargs="*", help="cluster files (default: every YAML in clusters/)")
     validate.add_argument("--experiment", dest="experiments", action="append", default=[], metavar="X.yaml",
                           help="experiment (or sweep) the cluster must hold (repeatable)")
-    est = sub.add_parser("estimate", help="predict per-worker memory of each strategy and worker count")
+    est = add("estimate", help="predict per-worker memory of each strategy and worker count")
     experiment_args(est)
     est.add_argument("--workers", help="worker counts, e.g. 1,2,4,8 (default: the sweep's, else the experiment's)")
     est.add_argument("--strategies", help="strategies, e.g. ddp,zero-3 (default: every strategy that can say)")
     est.add_argument("--device-memory", help="memory of one device (e.g. 80GiB): flags what does not fit")
 
-    exp = sub.add_parser("export", help="write the plain model of a run's latest checkpoint")
+    exp = add("export", help="write the plain model of a run's latest checkpoint")
     exp.add_argument("run_dir", help="results directory of a run (results/<experiment>) or a checkpoint")
     exp.add_argument("--out", required=True, help="directory to write the model into")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and not argv[0].startswith("-") and argv[0] not in EXAMPLES:
+        close = difflib.get_close_matches(argv[0], list(EXAMPLES), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"raytrain-par: error: unknown command {argv[0]!r}{hint}\n  commands: {', '.join(EXAMPLES)}; "
+              "`raytrain-par --help` says what each does", file=sys.stderr)
+        return 2
     args = _parser().parse_args(argv)
     try:
         return _dispatch(args)

@@ -67,6 +67,21 @@ class RecordCallback(ray.train.UserCallback):
         print(progress_line(record), flush=True)
 
 
+# What keeps a run's console to the lines its user needs (each can be overridden from the environment):
+QUIET = {
+    # Ray 2.60's preemption watcher only logs drained nodes (recovery goes through FailureConfig), and
+    # creating it prints a core-worker ERROR line about actor restarts (ray-project/ray#53727).
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": os.environ.get("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0"),
+    # Kineto, under the profiler that samples steps for the communication share, prints a USDT line at
+    # every start and stop and an "External init callback" error when first used from another thread;
+    # 6 is above every level it prints at.
+    "KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", "6"),
+    # Ray Train's own data configuration sets an option Ray Data 2.60 deprecates, and every run would
+    # print the warning.
+    "PYTHONWARNINGS": os.environ.get("PYTHONWARNINGS", "ignore:`ExecutionOptions.exclude_resources` is deprecated:Warning"),
+}
+
+
 def worker_env(spec: ExperimentSpec | None = None) -> dict[str, str]:
     """Environment of every Ray process of a run (Ray passes it through the job's runtime_env)."""
     cpus = spec.scaling.cpus_per_worker if spec else 1
@@ -75,6 +90,7 @@ def worker_env(spec: ExperimentSpec | None = None) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
         "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"],
+        **QUIET,
     }
     if not (spec and spec.scaling.use_gpu):
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would otherwise look for CUDA
@@ -140,9 +156,9 @@ def ray_cluster(spec: ExperimentSpec, address: str | None = None, log=print):
         ray.shutdown()
 
 
-def preflight(spec: ExperimentSpec, address: str | None) -> None:
+def preflight(spec: ExperimentSpec, address: str | None, log=print) -> None:
     """What can be refused before data is prepared or earlier results are moved aside."""
-    check_output_dir(spec)
+    place_results(spec, log)
     if not ray.is_initialized():
         if address:
             check_reachable(address)
@@ -172,15 +188,21 @@ def check_reachable(address: str, name: str = "--address", timeout_s: float = 5.
         raise _no_cluster(address, e, name) from None
 
 
-def check_output_dir(spec: ExperimentSpec) -> None:
+JOB_RESULTS_ENV = "RAYTRAIN_PAR_JOB_RESULTS"
+
+
+def place_results(spec: ExperimentSpec, log=print) -> None:
     """Inside a Ray job the working directory is the job's temporary copy of --working-dir, which Ray
-    deletes later: results need a path of their own there."""
+    deletes later: a relative output_dir goes under $RAYTRAIN_PAR_JOB_RESULTS instead, by default
+    ~/ray_results/raytrain-par (Ray Train's own default storage root) on the node running the job."""
     # Ray's job supervisor sets this variable in the environment of every job's entrypoint.
-    if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") and not Path(spec.output_dir).expanduser().is_absolute():
-        raise ConfigError("output_dir", spec.output_dir,
-                          "relative inside a Ray job: it would land in the job's temporary working directory",
-                          "give an absolute path, on storage every node mounts on a multi-node cluster: "
-                          "--set output_dir=/mnt/shared/results")
+    if not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR") or Path(spec.output_dir).expanduser().is_absolute():
+        return
+    root = Path(os.environ.get(JOB_RESULTS_ENV) or "~/ray_results/raytrain-par").expanduser()
+    spec.output_dir = str(root / spec.output_dir)
+    log(f"output_dir is relative inside a Ray job: results go to {spec.results_dir} on the node running the job "
+        f"(set {JOB_RESULTS_ENV}, or give an absolute output_dir on storage every node mounts, for a multi-node "
+        "cluster)")
 
 
 def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdir: str = RUN_SUBDIR) -> Path:
@@ -305,7 +327,7 @@ def make_trainer(spec: ExperimentSpec, info: DatasetInfo, storage: Path, name: s
 
 def run_experiment(spec: ExperimentSpec, address: str | None = None, resume: bool = False, log=print) -> RunResult:
     """Run one experiment end to end; returns its records (also in <results>/metrics.parquet)."""
-    preflight(spec, address)
+    preflight(spec, address, log)
     info = data_sets.prepare(spec.data, spec.data.cache_dir, log=log)
     check_prepared(spec, info)
     results = prepare_results_dir(spec, resume, log=log)

@@ -118,7 +118,7 @@ class SweepResult:
 
 def run_sweep(spec: ExperimentSpec, address: str | None = None, resume: bool = False,
               log=print) -> SweepResult:
-    preflight(spec, address)
+    preflight(spec, address, log)
     p = plan(spec)
     for point in p.points:  # every distinct data set is prepared once, here, before any trial
         data_sets.prepare(p.trial_spec(point).data, spec.data.cache_dir, log=log)

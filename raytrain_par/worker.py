@@ -351,6 +351,8 @@ def quiet_ray_logs() -> None:
     level = os.environ.get("RAYTRAIN_PAR_RAY_LOG_LEVEL", "WARNING")
     logging.getLogger(train_context.__file__).setLevel(level)
     logging.getLogger("ray.data").setLevel(level)
+    # Ray Data (2.60) warns once per worker that progress bars are off: we turned them off.
+    logging.getLogger("ray.data._internal.progress").setLevel(max(logging.ERROR, logging.getLevelName(level)))
 
 
 def _read_shard(name: str, info: DatasetInfo) -> dict[str, torch.Tensor]:

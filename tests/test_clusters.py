@@ -14,7 +14,7 @@ from conftest import REPO, experiment_file
 from raytrain_par.cli import main
 from raytrain_par.clusters import check_file, validate
 from raytrain_par.config import load_experiment
-from raytrain_par.driver import run_experiment
+from raytrain_par.driver import place_results, run_experiment
 from raytrain_par.errors import ConfigError, UserError
 from raytrain_par.local_group import free_port
 
@@ -186,15 +186,20 @@ def test_address_without_a_cluster_fails_fast_and_leaves_results_alone(tmp_path)
         run_experiment(spec, address="http://127.0.0.1:8265", log=lambda *_: None)
 
 
-def test_output_dir_a_cluster_cannot_use(monkeypatch, tmp_path):
+def test_output_dir_a_cluster_cannot_use_and_a_job_default(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="output_dir = 's3://bucket/results': cloud URIs are not supported"):
         load_experiment(experiment_file("quickstart.yaml"), ["output_dir=s3://bucket/results"])
     spec = load_experiment(experiment_file("quickstart.yaml"), ["output_dir=results"])
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")  # what Ray sets in a job's entrypoint
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match="relative inside a Ray job"):
-        run_experiment(spec, log=lambda *_: None)
-    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("RAYTRAIN_PAR_JOB_RESULTS", str(tmp_path / "job-results"))
+    lines = []
+    place_results(spec, log=lines.append)
+    assert spec.results_dir == tmp_path / "job-results" / "results" / "quickstart"
+    assert str(spec.results_dir) in lines[0] and "shared" in lines[0]
+    monkeypatch.delenv("RAYTRAIN_PAR_JOB_RESULTS")
+    spec = load_experiment(experiment_file("quickstart.yaml"), ["output_dir=results"])
+    place_results(spec, log=lines.append)
+    assert spec.results_dir == Path("~/ray_results/raytrain-par/results/quickstart").expanduser()
 
 
 def test_job_submit_to_an_address_without_a_cluster_says_so(tmp_path):

@@ -101,16 +101,26 @@ def progress_line(r: dict) -> str:
     return (f"[{r['experiment']}/{r['trial']}] step {r['step']:>6}  epoch {r['epoch']:.2f}  "
             f"wall {r['wall_time_s']:7.1f}s  {train}{_metric_text(r)}  "
             f"{r['throughput'] or 0:8.1f} samples/s" + (f"  MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else "")
-            + f"  mem/worker {mib(r['mem_peak_bytes'])} MiB peak, "
-            f"{mib(r['mem_model_state_bytes'])} MiB model states"
-            + (f" (theory {mib(r['mem_model_state_theory_bytes'])})" if r.get("mem_model_state_theory_bytes") else "")
+            + f"  mem/worker {mib(r['mem_peak_bytes'])} MiB peak, {_states_text(r)}"
             + ("  [target met]" if r.get("target_met") else ""))
+
+
+def _states_text(r: dict) -> str:
+    """Model states as the engine's live tensors count them (parameters, gradients, optimizer state),
+    beside the theory for the strategy and what the allocator holds since the engine was built (adds
+    buffers no tensor names, and on CPU whatever else the process allocated): docs/memory.md."""
+    census = r.get("mem_model_state_census_bytes")
+    if census is None:
+        return f"{mib(r['mem_model_state_bytes'])} MiB model states (allocator)"
+    extra = [f"theory {mib(r['mem_model_state_theory_bytes'])}"] if r.get("mem_model_state_theory_bytes") else []
+    extra.append(f"allocator {mib(r['mem_model_state_bytes'])}")
+    return f"model states {mib(census)} MiB ({', '.join(extra)})"
 
 
 def table(records: Iterable[dict]) -> str:
     """A fixed-width table of records for the terminal."""
     head = ["step", "epoch", "wall_s", "train_loss", "val_loss", "val_ppl", "val_acc", "samples/s", "MFU_%",
-            "peak_MiB", "states_MiB"]
+            "peak_MiB", "states_MiB", "theory_MiB", "allocator_MiB"]
     rows = []
     for r in records:
         rows.append([
@@ -120,7 +130,8 @@ def table(records: Iterable[dict]) -> str:
             "-" if r.get("val_perplexity") is None else f"{r['val_perplexity']:.1f}",
             "-" if r.get("val_accuracy") is None else f"{r['val_accuracy']:.3f}",
             f"{r.get('throughput') or 0:.1f}", "-" if not r.get("mfu") else f"{100 * r['mfu']:.1f}",
-            mib(r.get("mem_peak_bytes")), mib(r.get("mem_model_state_bytes")),
+            mib(r.get("mem_peak_bytes")), mib(r.get("mem_model_state_census_bytes")),
+            mib(r.get("mem_model_state_theory_bytes")), mib(r.get("mem_model_state_bytes")),
         ])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]

@@ -18,7 +18,9 @@ any collective library torch profiles; a strategy is not asked what it communica
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import time
 from contextlib import contextmanager
 from typing import Iterable
@@ -114,6 +116,25 @@ def profiled_step(device: torch.device):
 def warm_up_profiler(device: torch.device) -> None:
     """Start and stop the profiler once over nothing: its first use allocates what it keeps for the
     rest of the process (about 22 MB of host memory on CPU), which should happen at start-up, not in
-    the middle of training where memory accounting would count it."""
-    with profiled_step(device):
+    the middle of training where memory accounting would count it.
+
+    Kineto's first start in a thread other than the one that imported torch (Ray Train runs the
+    training function in a thread of its own) writes "ERROR: External init callback must run in same
+    thread as registerClient" straight to the process's stderr, harmlessly: the profile is complete.
+    The warm-up is that first start, so its stderr goes to /dev/null for those milliseconds."""
+    with _stderr_to_devnull(), profiled_step(device):
         pass
+
+
+@contextmanager
+def _stderr_to_devnull():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
