@@ -3,6 +3,7 @@ of 2 ranks: the same losses as without it, the plain model's state-dict keys, ch
 into an engine without it, and less memory held for backward, by about what `estimate` predicts."""
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from raytrain_par.strategies import DistContext
 KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
 GPT = "gpt2-tiny"
 VGG = {"name": "vgg11", "width": 0.125, "dropout": 0.0}
+DROPOUT = {"name": GPT, "dropout": 0.1}
+LLAMA = {"name": "causal-lm", "config": str(Path(__file__).parent.parent / "experiments/models/llama-tiny")}
 STEPS = 4
 MODES = ("none", "full", "selective")
 # (what, model, data, strategy, workers, modes): each runs once per mode, from the same weights and batches
@@ -33,6 +36,12 @@ CASES = [
     ("pipedream", GPT, KJV, {"name": "pipedream", "microbatches": 2}, 2, MODES),
     *[(f"pipeline-{s}", GPT, KJV, {"name": "pipeline", "schedule": s, "microbatches": 4}, 2, ("none", "full"))
       for s in ("gpipe", "interleaved-1f1b", "zero-bubble", "zbv")],
+    # dropout: the recomputation draws the same masks (megatron: also from its attention-dropout stream)
+    ("ddp-dropout", DROPOUT, KJV, "ddp", 2, MODES),
+    ("megatron-dropout", DROPOUT, KJV, {"name": "megatron", "tensor_parallel": 2}, 2, MODES),
+    # Llama-style decoder layers (self_attn), split by tensor parallel and by a pipeline
+    ("llama-megatron", LLAMA, KJV, {"name": "megatron", "tensor_parallel": 2}, 2, MODES),
+    ("llama-pipeline", LLAMA, KJV, {"name": "pipeline", "schedule": "1f1b", "microbatches": 2}, 2, MODES),
     ("vgg-ddp", VGG, "digits", "ddp", 2, ("none", "full")),
     ("vgg-pipeline", VGG, "digits", {"name": "pipeline", "schedule": "1f1b", "microbatches": 2}, 2, ("none", "full")),
     ("vgg-fsdp", VGG, "digits", "fsdp", 2, ("none", "full")),
