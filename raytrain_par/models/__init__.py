@@ -104,7 +104,7 @@ def checkpoint_activations(model: nn.Module, mode: str) -> nn.Module:
     """Make the modules `mode` names (train.activation_checkpointing) recompute their forward pass in
     backward; `none` leaves the model as it is. Before any strategy wraps, shards or splits the model."""
     if mode != "none":
-        checkpointing.apply(model, FAMILIES[model.family].checkpoint_units(model, mode))
+        checkpointing.apply(FAMILIES[model.family].checkpoint_units(model, mode))
     return model
 
 

@@ -39,7 +39,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
 
-MODES = ("none", "full", "selective")
 RNG_STREAMS = ("tp_rng",)  # module attributes holding a random stream of their own (an object with `state`)
 
 
@@ -72,12 +71,11 @@ def transformer_units(model: nn.Module, mode: str) -> list[nn.Module]:
     return found if mode == "full" else [attention_of(b) for b in found]
 
 
-def apply(model: nn.Module, units: list[nn.Module]) -> None:
+def apply(units: list[nn.Module]) -> None:
     """Make each unit recompute its forward pass in backward (once: applying twice changes nothing)."""
     for unit in units:
-        if getattr(unit.forward, "func", None) is _checkpointed:
-            continue
-        unit.forward = functools.partial(_checkpointed, unit, unit.forward)
+        if not is_checkpointed(unit):
+            unit.forward = functools.partial(_checkpointed, unit, unit.forward)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
