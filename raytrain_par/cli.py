@@ -197,6 +197,8 @@ def _estimate(spec, args) -> int:
     params = rows[0].params if rows else 0
     print(f"{spec.name}: {spec.model.name}, {params / 1e6:.1f}M parameters, {spec.train.optimizer}, "
           f"{spec.train.precision}, global batch {spec.train.global_batch_size}"
+          + (f", activation checkpointing {spec.train.activation_checkpointing}"
+             if spec.train.activation_checkpointing != "none" else "")
           + (f", device memory {args.device_memory}" if device_memory else ""))
     print(estimate.table(rows, device_memory))
     return 0

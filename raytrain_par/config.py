@@ -137,6 +137,10 @@ class TrainSpec:
     # megatron and the pipelines (per stage), 16-bit parameters with fp32 master weights for zero-N, a
     # MixedPrecisionPolicy for fsdp)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Recompute activations in backward instead of keeping them: none; full (every transformer block /
+    # VGG convolution stage keeps only its input: about one more forward pass); selective (the
+    # self-attention of each block only, transformer models)
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
     seed: int = 0
     eval_every_steps: Optional[int] = None  # default: at the end of every epoch
     eval_at_start: bool = True  # a record before the first step: where every curve starts
@@ -417,6 +421,10 @@ def validate(spec: ExperimentSpec) -> None:
     _check(not (t.precision == "fp16" and not s.use_gpu), "train.precision", t.precision,
            "fp16 training needs GPUs (loss scaling and fp16 kernels are CUDA features)",
            "use bf16 on CPU, or set scaling.use_gpu: true")
+    modes = models.family_of(m.name).CHECKPOINTING
+    _check(t.activation_checkpointing in ("none", *modes), "train.activation_checkpointing",
+           t.activation_checkpointing, f"{m.name} has no self-attention to recompute alone",
+           f"use {' or '.join(modes)} (recomputes whole layers in backward), or none")
     _check(t.max_failures >= -1, "train.max_failures", t.max_failures, "must be >= 0 (or -1: retry forever)", "use e.g. 3")
 
     spec.strategy.options.validate(spec, lambda *a: _check(False, *a))

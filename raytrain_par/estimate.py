@@ -4,7 +4,8 @@ For each strategy and worker count: the model's parameters (counted on torch's m
 size costs milliseconds), its model-state bytes per worker -- the textbook figure and what the
 implementation is expected to hold (DeepSpeed's fp32 master copy, buckets; see each engine's
 `model_state_bytes`) -- and the activations one micro-batch keeps for the backward pass, found by
-running the forward pass on fake tensors and adding up what autograd saves. Sharded strategies
+running the forward pass on fake tensors and adding up what autograd saves (with the experiment's
+activation checkpointing: the checkpointed modules' inputs instead of their intermediates). Sharded strategies
 (zero-3, fsdp) also hold whole parameters of the unit being computed and the one prefetched.
 """
 
@@ -51,15 +52,18 @@ class Row:
         return self.expected - self.offloaded + self.activations + self.gathered
 
 
-def activation_bytes(model_spec, info, rows: int, precision: str) -> int:
+def activation_bytes(model_spec, info, rows: int, precision: str, checkpointing: str = "none") -> int:
     """Bytes autograd saves for the backward pass of `rows` rows: the model's forward pass on fake
     tensors (shapes and dtypes, no memory). Fake CPU tensors take the same attention kernels as real
-    ones (fused scaled-dot-product attention keeps no seq x seq matrices), unlike the meta device."""
+    ones (fused scaled-dot-product attention keeps no seq x seq matrices), unlike the meta device.
+    With activation checkpointing (train.activation_checkpointing) the checkpointed modules save
+    their inputs only, through the same hooks, and that is what is counted."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     saved: dict[int, int] = {}
     with FakeTensorMode():
         model, task = models.build(model_spec, info, seed=0)
+        models.checkpoint_activations(model, checkpointing)
         params = {p.untyped_storage()._cdata for p in model.parameters()}
 
         def pack(t):
@@ -117,7 +121,8 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
                 continue
             micro = s.per_worker_batch // s.train.gradient_accumulation_steps
             if micro not in act_cache:
-                act_cache[micro] = activation_bytes(spec.model, info, micro, s.train.precision)
+                act_cache[micro] = activation_bytes(spec.model, info, micro, s.train.precision,
+                                                    s.train.activation_checkpointing)
             gathered = 2 * unit if name in ("zero-3", "fsdp") and s.data_parallel_size > 1 else 0
             rows.append(Row(name, w, n, est.theory, est.expected, est.offloaded, act_cache[micro], gathered))
     return rows

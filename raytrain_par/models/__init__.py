@@ -16,6 +16,8 @@ A family is a module with:
   between (each layer maps one tensor to one tensor and holds the model's own modules);
 - `tensor_parallel_plan(name, options)` and `plan_of(model)`: a `TensorParallelPlan`
   (models/plans.py), or None when the family has none;
+- `CHECKPOINTING` (the `train.activation_checkpointing` modes it has besides none) and
+  `checkpoint_units(model, mode)`: the modules that mode recomputes in backward (models/checkpointing.py);
 - `export(model, out, spec, info)`: the format its users load.
 
 Adding a family: write its module and add one line to `FAMILIES` (docs/architecture.md shows one).
@@ -28,7 +30,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from . import causal_lm, gpt2, vgg
+from . import causal_lm, checkpointing, gpt2, vgg
 from .task import ImageClassification, LanguageModelling, Task
 
 FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "causal-lm": causal_lm, "vgg": vgg}
@@ -96,6 +98,14 @@ def tensor_parallel_plan_of(model: nn.Module):
 def example_input(model: nn.Module, device: torch.device | str = "cpu") -> torch.Tensor:
     """One sample of the model's input (zeros): what shapes and costs of the pipeline layers are measured on."""
     return torch.zeros(1, *model.input_shape, dtype=model.input_dtype, device=device)
+
+
+def checkpoint_activations(model: nn.Module, mode: str) -> nn.Module:
+    """Make the modules `mode` names (train.activation_checkpointing) recompute their forward pass in
+    backward; `none` leaves the model as it is. Before any strategy wraps, shards or splits the model."""
+    if mode != "none":
+        checkpointing.apply(FAMILIES[model.family].checkpoint_units(model, mode))
+    return model
 
 
 def export(model: nn.Module, out, spec, info) -> None:

@@ -62,6 +62,11 @@ class Options:
             error("data.vocab_size", spec.data.vocab_size,
                   f"more tokens than the model's vocab_size {config.vocab_size} ({self.config})",
                   f"use data.vocab_size <= {config.vocab_size}, or remove it to take the config's")
+        if spec.train.activation_checkpointing != "none":  # its blocks and their attention can be found
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                lm.checkpoint_units(AutoModelForCausalLM.from_config(config), spec.train.activation_checkpointing)
 
     def vocab_size(self) -> int:
         return load(self).vocab_size
@@ -153,6 +158,8 @@ def plan_of_config(config) -> TensorParallelPlan | None:
 
 
 export = lm.export
+checkpoint_units = lm.checkpoint_units
+CHECKPOINTING = lm.CHECKPOINTING
 
 
 # -- pipeline layers ---------------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def plan_of(model: nn.Module) -> TensorParallelPlan:
 
 
 export = lm.export
+checkpoint_units = lm.checkpoint_units
+CHECKPOINTING = lm.CHECKPOINTING
 
 
 def gpt2_config(sizes: dict[str, int], vocab_size: int, seq_len: int, dropout: float) -> GPT2Config:

@@ -1,5 +1,6 @@
 """What the transformers language-model families (gpt2, causal-lm) share: the task, the example
-input, and export as a `save_pretrained` directory with the run's tokenizer."""
+input, which modules activation checkpointing recomputes, and export as a `save_pretrained`
+directory with the run's tokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import checkpointing
 from .task import LanguageModelling
+
+CHECKPOINTING = ("full", "selective")
 
 
 def finish(model: nn.Module, family: str, info) -> tuple[nn.Module, LanguageModelling]:
@@ -21,6 +25,11 @@ def finish(model: nn.Module, family: str, info) -> tuple[nn.Module, LanguageMode
 def check_dropout(dropout, error) -> None:
     if dropout is not None and not 0.0 <= dropout < 1.0:
         error("model.dropout", dropout, "must be in [0, 1)", "use e.g. 0.1, or 0 for none")
+
+
+def checkpoint_units(model: nn.Module, mode: str) -> list[nn.Module]:
+    """full: every transformer block; selective: the self-attention of every block."""
+    return checkpointing.transformer_units(model, mode)
 
 
 def export(model: nn.Module, out: Path, spec, info) -> None:

@@ -25,6 +25,7 @@ PLANS: dict[str, list[int | str]] = {
 NAMES = tuple(PLANS)
 KIND = "image"
 LAYERS = "convolutions, classifier layers"
+CHECKPOINTING = ("full",)  # convolution stages; no attention for `selective` to recompute alone
 
 
 @dataclass
@@ -91,6 +92,10 @@ class VGG(nn.Module):
             layers += [nn.Conv2d(channels, out, 3, padding=1), nn.ReLU(inplace=True)]
             channels = out
         self.features = nn.Sequential(*layers)
+        # Each convolution with its ReLU (and the pooling after it), as one module: what the plain
+        # forward runs, what pipelines split between and what activation checkpointing recomputes.
+        # A tuple, so not registered: the parameters keep their names (features.N).
+        self.stages = tuple(nn.Sequential(*group) for group in _stages(self.features))
         # ImageNet-size inputs keep torchvision's 7x7 head; small inputs pool to 1x1.
         self.pool_size = 7 if image_size >= 112 else 1
         self.avgpool = nn.AdaptiveAvgPool2d(self.pool_size)
@@ -109,21 +114,33 @@ class VGG(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+        for stage in self.stages:
+            x = stage(x)
+        return self.classifier(torch.flatten(self.avgpool(x), 1))
 
+
+def _stages(features: nn.Sequential) -> list[list[nn.Module]]:
+    groups: list[list[nn.Module]] = []
+    for m in features:
+        if isinstance(m, nn.Conv2d):
+            groups.append([])
+        groups[-1].append(m)
+    return groups
 
 
 def pipeline_layers(model: VGG) -> list[nn.Module]:
-    """What a pipeline splits VGG between: each convolution with its ReLU (and the pooling after it),
-    then the classifier's three linear layers (the first with the average pooling and flatten)."""
-    layers: list[list[nn.Module]] = []
-    for m in model.features:
-        if isinstance(m, nn.Conv2d):
-            layers.append([])
-        layers[-1].append(m)
+    """What a pipeline splits VGG between: each convolution stage (a convolution with its ReLU and the
+    pooling after it: the model's own `stages`), then the classifier's three linear layers (the first
+    with the average pooling and flatten)."""
     c = model.classifier
-    layers += [[model.avgpool, nn.Flatten(1), c[0], c[1], c[2]], [c[3], c[4], c[5]], [c[6]]]
-    return [nn.Sequential(*group) for group in layers]
+    head = [[model.avgpool, nn.Flatten(1), c[0], c[1], c[2]], [c[3], c[4], c[5]], [c[6]]]
+    return [*model.stages, *(nn.Sequential(*group) for group in head)]
+
+
+def checkpoint_units(model: VGG, mode: str) -> list[nn.Module]:
+    """full: every convolution stage recomputes in backward (its input kept, not the convolution's,
+    ReLU's and pooling's)."""
+    return list(model.stages)
 
 
 def pipeline_layer_count(name: str, options: Options) -> int:

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..metrics.memory import (Sharding, StateBytes, allocated_bytes, model_state_census, model_state_theory,
                               optimizer_state_bytes, peak_bytes, storage_bytes)
-from ..models import parameter_count
+from ..models import checkpoint_activations, parameter_count
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -128,6 +128,9 @@ class Engine(ABC):
             raise ValueError(f"train.precision = 'bf16': {torch.cuda.get_device_name(self.device)} has no bf16 "
                              "support (it needs compute capability 8.0 or newer); use fp16 or fp32")
         self.num_params = parameter_count(model)
+        # Here, on the plain model, before any engine wraps, shards or splits it: every strategy
+        # recomputes the same modules (train.activation_checkpointing; models/checkpointing.py).
+        checkpoint_activations(model, train.activation_checkpointing)
         self._peak_state: dict[str, int] = {}
         # What the allocator held before this engine existed, not counting the model it was handed
         # (whose storages the engine takes over, moves or replaces): model states held later are
