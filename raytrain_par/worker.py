@@ -209,7 +209,7 @@ class Trainer:
             "step_time_s": interval_s / interval_steps if interval_steps else None,
             "eval_time_s": state.eval_time_s, "target_met": met, **self._utilisation(interval_s, interval_steps),
             "timestamp": time.time(), "started_at": self.started_at, "resumed_from_step": self.resumed_from,
-            **self.engine.memory(),
+            **self.engine.memory(), **self.engine.statistics(),
         }
         checkpoint = None
         every = spec.train.checkpoint_every_evals

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..metrics.goodput import NoiseScale
 from ..metrics.memory import (Sharding, StateBytes, allocated_bytes, model_state_census, model_state_theory,
                               optimizer_state_bytes, peak_bytes, storage_bytes)
 from ..models import checkpoint_activations, parameter_count
@@ -128,6 +129,8 @@ class Engine(ABC):
             raise ValueError(f"train.precision = 'bf16': {torch.cuda.get_device_name(self.device)} has no bf16 "
                              "support (it needs compute capability 8.0 or newer); use fp16 or fp32")
         self.num_params = parameter_count(model)
+        # Engines that see a worker's own gradient before it is reduced feed this (metrics/goodput.py).
+        self.noise = NoiseScale()
         # Here, on the plain model, before any engine wraps, shards or splits it: every strategy
         # recomputes the same modules (train.activation_checkpointing; models/checkpointing.py).
         checkpoint_activations(model, train.activation_checkpointing)
@@ -254,6 +257,11 @@ class Engine(ABC):
         now = self.model_state()
         if now["mem_model_state_bytes"] >= self._peak_state.get("mem_model_state_bytes", -1):
             self._peak_state = now
+
+    def statistics(self) -> dict[str, float | None]:
+        """Training statistics for the record: the gradient noise scale, where this engine measures
+        it (None where it does not, or cannot: one worker sees no second batch size)."""
+        return {"grad_noise_scale": self.noise.value()}
 
     def memory(self) -> dict[str, int]:
         out = dict(self._peak_state or self.model_state())

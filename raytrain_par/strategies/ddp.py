@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -39,9 +40,20 @@ class Options:
         return num_workers
 
 
+def _norm_then_allreduce(engine: "DDPEngine", bucket):
+    """DDP comm hook: add the squared norm of this worker's part of the gradient, then PyTorch's
+    default all-reduce (mean over workers)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    flat = bucket.buffer()
+    engine._local_sq += torch.dot(flat, flat).to(engine._local_sq) if flat.is_floating_point() else 0
+    return allreduce_hook(None, bucket)
+
+
 class DDPEngine(Engine):
     Options = Options
     sharding = Sharding()  # nothing sharded: every rank holds every model state
+    measures_noise = False  # the gradient noise scale needs a second batch size: 2 or more workers
 
     @classmethod
     def model_state_bytes(cls, options, train, dp, num_params):
@@ -62,12 +74,22 @@ class DDPEngine(Engine):
                 find_unused_parameters=options.find_unused_parameters,
                 static_graph=options.static_graph,
             )
+            # Each worker's own gradient is in the buckets just before they are all-reduced: the
+            # gradient noise scale takes its squared norm there (no copy, one scalar per bucket).
+            self.measures_noise = self.scaler_needed(train) is False
+            if self.measures_noise:
+                self._local_sq = torch.zeros((), device=self.device)
+                self.module.register_comm_hook(self, _norm_then_allreduce)
         else:
             self.module = self.model
         self.optimizer = build_optimizer(self.model, train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train, total_steps))
-        # fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none.
-        self.scaler = torch.amp.GradScaler(self.device.type) if train.precision == "fp16" else None
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.scaler_needed(train) else None
+
+    @staticmethod
+    def scaler_needed(train) -> bool:
+        """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none."""
+        return train.precision == "fp16"
 
     def train_step(self, batch):
         micro = split_batch(batch, self.train.gradient_accumulation_steps)
@@ -83,10 +105,24 @@ class DDPEngine(Engine):
             total += loss.detach()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
+        norm = None
         if self.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
+        if self.measures_noise:
+            self._note_noise(self.task.samples_of(batch), norm)
         self.optimizer_step(self._scaled_step if self.scaler else None)
         return total
+
+    def _note_noise(self, rows: int, reduced_norm: torch.Tensor | None) -> None:
+        """One sample of the gradient noise scale: this worker's gradient over its `rows` rows (summed
+        in the all-reduce hook) against the reduced one over every worker's rows (before clipping)."""
+        small = self._local_sq.clone()
+        dist.all_reduce(small)
+        small /= self.ctx.world_size
+        if reduced_norm is None:
+            reduced_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        self.noise.update(rows, small, rows * self.ctx.world_size, reduced_norm.to(small) ** 2)
+        self._local_sq.zero_()
 
     def _scaled_step(self) -> None:
         self.scaler.step(self.optimizer)

@@ -1,0 +1,53 @@
+"""Statistical efficiency measured while training: the gradient noise scale.
+
+The simple noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018, "An Empirical Model of
+Large-Batch Training", appendix A.1) says how large a batch can grow before more samples per step
+stop buying fewer steps: steps to a target go as S_min (1 + B_noise / B). It is estimated from the
+squared norms of the mean gradient over two batch sizes that training already has. A data-parallel
+worker's own gradient, before the all-reduce, is the mean over its b rows; the reduced gradient is
+the mean over all B rows; in expectation
+
+    E|G_b|^2 = |G|^2 + tr(Sigma) / b,
+
+so two batch sizes give |G|^2 = (B |G_B|^2 - b |G_b|^2) / (B - b) and
+tr(Sigma) = (|G_b|^2 - |G_B|^2) / (1/b - 1/B). The |G_b|^2 of every worker are averaged (one
+scalar all-reduce per step; no gradient moves twice). Each estimate is noisy, and the ratio of two
+noisy estimates is biased, so the two are smoothed separately (exponential moving averages) and
+divided only when read, as the paper and AdaptDL do.
+
+The gradients are the raw ones (before clipping and before the optimizer's preconditioning), of
+the loss as training computes it (its mean over the rows of a batch).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class NoiseScale:
+    """Running estimate of B_simple from (b, |G_b|^2, B, |G_B|^2) samples, one per optimizer step."""
+
+    def __init__(self, smoothing: float = 0.95):
+        self.smoothing = smoothing
+        self.squared_norm: torch.Tensor | None = None  # smoothed |G|^2
+        self.trace: torch.Tensor | None = None  # smoothed tr(Sigma)
+        self.samples = 0
+
+    def update(self, small_batch: int, small_sq: torch.Tensor, big_batch: int, big_sq: torch.Tensor) -> None:
+        """One step's squared norms (tensors on the device: nothing waits for them here)."""
+        if big_batch <= small_batch:
+            raise ValueError(f"the large batch ({big_batch}) must hold more rows than the small one ({small_batch})")
+        g2 = (big_batch * big_sq - small_batch * small_sq) / (big_batch - small_batch)
+        trace = (small_sq - big_sq) / (1.0 / small_batch - 1.0 / big_batch)
+        a = self.smoothing
+        self.squared_norm = g2.detach().double() if self.squared_norm is None else a * self.squared_norm + (1 - a) * g2.double()
+        self.trace = trace.detach().double() if self.trace is None else a * self.trace + (1 - a) * trace.double()
+        self.samples += 1
+
+    def value(self) -> float | None:
+        """B_simple in rows (samples), or None before any step or while |G|^2 is not yet positive.
+        (The averages start at the first sample rather than at zero, so they need no bias correction.)"""
+        if self.squared_norm is None:
+            return None
+        g2, trace = float(self.squared_norm), float(self.trace)
+        return trace / g2 if g2 > 0 and trace > 0 else None

@@ -1,0 +1,83 @@
+"""The gradient noise scale measured while training (metrics/goodput.py) against brute force: with the
+weights frozen (learning rate 0), the training-time estimate from each worker's gradient and the
+reduced one agrees with tr(Sigma) / |G|^2 computed from per-example gradients."""
+
+import itertools
+
+import pytest
+import torch
+
+from engines import experiment
+from raytrain_par import config, models, strategies
+from raytrain_par.data.loader import MemoryLoader
+from raytrain_par.data.shards import DatasetInfo, read_split
+from raytrain_par.local_group import run_ranks
+from raytrain_par.metrics.goodput import NoiseScale
+from raytrain_par.strategies import DistContext
+
+KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
+STEPS, EXAMPLES = 120, 384
+
+
+def _frozen_estimate(rank, world, spec_dict, info_dict):
+    spec, info = config.from_dict(spec_dict), DatasetInfo.from_json(info_dict)
+    model, task = models.build(spec.model, info, spec.train.seed)
+    engine = strategies.build_engine(spec.strategy, model, task, spec.train, DistContext.current(torch.device("cpu")),
+                                     total_steps=STEPS)
+    engine.noise = NoiseScale(smoothing=0.99)  # a long average: the test compares the estimator, not its noise
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+    engine.scheduler.base_lrs = [0.0] * len(engine.scheduler.base_lrs)
+    loader = MemoryLoader(read_split(info, info.train_path), spec.train.global_batch_size, engine.dp_rank,
+                          engine.dp_size, spec.train.seed)
+    batches = itertools.chain.from_iterable(loader.epoch(e) for e in itertools.count())
+    for batch in itertools.islice(batches, STEPS):
+        engine.train_step(batch)
+    return engine.statistics()["grad_noise_scale"]
+
+
+def brute_force(spec_dict, info_dict) -> float:
+    """tr(Sigma) / |G|^2 from per-example (per-row) gradients of the initial model."""
+    spec, info = config.from_dict(spec_dict), DatasetInfo.from_json(info_dict)
+    model, task = models.build(spec.model, info, spec.train.seed)
+    rows = read_split(info, info.train_path)["tokens"][torch.randperm(info.num_train,
+                                                                      generator=torch.Generator().manual_seed(1))[:EXAMPLES]]
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    squares = 0.0
+    for row in rows:
+        model.zero_grad()
+        task.loss(model, task.prepare({"tokens": row[None]}, torch.device("cpu"))).backward()
+        grads = [p.grad for p in params]
+        squares += float(sum((g.double() ** 2).sum() for g in grads))
+        for t, g in zip(total, grads):
+            t += g
+    mean_sq = float(sum(((t.double() / EXAMPLES) ** 2).sum() for t in total))
+    trace = (squares - EXAMPLES * mean_sq) / (EXAMPLES - 1)
+    return trace / (mean_sq - trace / EXAMPLES)  # |mean|^2 overestimates |G|^2 by tr(Sigma) / n
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_noise_scale_measured_in_training_matches_per_example_gradients(info, workers):
+    spec = experiment("gpt2-tiny", KJV, strategy="ddp", workers=workers, batch=16, steps=STEPS)
+    info_dict = info("kjv", seq_len=32, vocab_size=512)
+    estimates = run_ranks(workers, _frozen_estimate, spec, info_dict)
+    assert len(set(estimates)) == 1 and estimates[0] is not None
+    truth = brute_force(spec, info_dict)
+    print(f"\n{workers} workers: measured {estimates[0]:.4f}, per-example {truth:.1f}")
+    assert estimates[0] == pytest.approx(truth, rel=0.25), (estimates[0], truth)
+
+
+def test_one_worker_has_no_second_batch_size_and_says_so(info):
+    spec = experiment("gpt2-tiny", KJV, strategy="ddp", workers=1, batch=16, steps=2)
+    assert run_ranks(1, _frozen_estimate, spec, info("kjv", seq_len=32, vocab_size=512), group_of_one=True) == [None]
+
+
+def test_the_estimators_recover_a_known_noise_scale():
+    """Squared norms drawn as E|G_b|^2 = |G|^2 + tr/b gives back tr / |G|^2 exactly."""
+    noise = NoiseScale()
+    for _ in range(5):
+        noise.update(8, torch.tensor(2.0 + 100.0 / 8), 32, torch.tensor(2.0 + 100.0 / 32))
+    assert noise.value() == pytest.approx(50.0)
+    with pytest.raises(ValueError):
+        noise.update(8, torch.tensor(1.0), 8, torch.tensor(1.0))
