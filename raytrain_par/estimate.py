@@ -52,19 +52,23 @@ class Row:
         return self.expected - self.offloaded + self.activations + self.gathered
 
 
-def activation_bytes(model_spec, info, rows: int, precision: str, checkpointing: str = "none") -> int:
+def activation_bytes(model_spec, info, rows: int, precision: str, checkpointing: str = "none",
+                     strategy=None) -> int:
     """Bytes autograd saves for the backward pass of `rows` rows: the model's forward pass on fake
     tensors (shapes and dtypes, no memory). Fake CPU tensors take the same attention kernels as real
     ones (fused scaled-dot-product attention keeps no seq x seq matrices), unlike the meta device.
     With activation checkpointing (train.activation_checkpointing) the checkpointed modules save
-    their inputs only, through the same hooks, and that is what is counted."""
+    their inputs only, through the same hooks, and that is what is counted. `strategy` (a StrategySpec)
+    counts what one of its workers saves, for engines that split the model themselves (megatron)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     saved: dict[int, int] = {}
     with FakeTensorMode():
         model, task = models.build(model_spec, info, seed=0)
         models.checkpoint_activations(model, checkpointing)
-        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        engine = strategies.engine_class(strategy.name if strategy else "ddp")
+        loss, held = engine.estimate_inputs(model, task, strategy.options if strategy else None)
+        params = {p.untyped_storage()._cdata for p in held}
 
         def pack(t):
             s = t.untyped_storage()
@@ -80,7 +84,7 @@ def activation_bytes(model_spec, info, rows: int, precision: str, checkpointing:
         # 16-bit compute, as autocast (ddp) or 16-bit parameters (zero-N, fsdp) give
         mixed = torch.autocast("cpu", dtype=DTYPES[precision]) if precision != "fp32" else contextlib.nullcontext()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mixed:
-            task.loss(model, task.prepare(batch, torch.device("cpu")))
+            loss(task.prepare(batch, torch.device("cpu")))
     return sum(saved.values())
 
 
@@ -97,7 +101,7 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
     model, _ = models.build_on_meta(spec.model, info)
     n = models.parameter_count(model)
     unit = largest_unit_bytes(model, spec.train.precision)
-    act_cache: dict[int, int] = {}
+    act_cache: dict[tuple[int, int], int] = {}
     # the options a sweep gives a strategy (e.g. megatron's tensor_parallel), else its defaults
     swept = {s["name"]: s for s in (spec.sweep or {}).get("grid", {}).get("strategy", [])
              if isinstance(s, dict) and "name" in s}
@@ -115,16 +119,20 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
                 rows.append(Row(name, w, n, 0, 0, 0, 0, 0, note=f"not possible: {e.field} ({e.problem})"))
                 continue
             cls = strategies.engine_class(name)
-            est = cls.model_state_bytes(s.strategy.options, s.train, s.data_parallel_size, n)
+            # one worker's parameters before data-parallel sharding (its tensor-parallel shard)
+            local = models.parameter_count_of(cls.estimate_inputs(*models.build_on_meta(spec.model, info),
+                                                                  s.strategy.options)[1])
+            est = cls.model_state_bytes(s.strategy.options, s.train, s.data_parallel_size, local)
             if est is None:
                 rows.append(Row(name, w, n, 0, 0, 0, 0, 0, note="this strategy gives no estimate"))
                 continue
             micro = s.per_worker_batch // s.train.gradient_accumulation_steps
-            if micro not in act_cache:
-                act_cache[micro] = activation_bytes(spec.model, info, micro, s.train.precision,
-                                                    s.train.activation_checkpointing)
+            key = (micro, local)  # engines that split the model save less per worker
+            if key not in act_cache:
+                act_cache[key] = activation_bytes(spec.model, info, micro, s.train.precision,
+                                                  s.train.activation_checkpointing, s.strategy)
             gathered = 2 * unit if name in ("zero-3", "fsdp") and s.data_parallel_size > 1 else 0
-            rows.append(Row(name, w, n, est.theory, est.expected, est.offloaded, act_cache[micro], gathered))
+            rows.append(Row(name, w, n, est.theory, est.expected, est.offloaded, act_cache[key], gathered))
     return rows
 
 

@@ -375,3 +375,19 @@ def test_resume_may_change_the_tensor_parallel_layout_but_not_the_model(tmp_path
     for other in (experiment("gpt2-mini", strategy=megatron(2), workers=4), experiment(workers=4)):
         with pytest.raises(UserError, match="another setup"):
             check_resumable(config.parse(other), tmp_path / "train")
+
+
+def test_estimate_predicts_what_a_tensor_parallel_worker_holds(runs):
+    """`raytrain-par estimate` for megatron: one rank's shard of the model states (the census of its
+    live tensors) and the activations it saves for backward (the engine's tracker), within 15%."""
+    from raytrain_par import data as data_sets, estimate
+
+    spec = config.from_dict(experiment(strategy=megatron(2), workers=2, steps=STEPS))
+    (row,) = estimate.estimate(spec, ["megatron"], [2])
+    measured = runs["t2"][0]["plain"]["memory"]
+    assert row.theory == pytest.approx(measured["mem_model_state_census_bytes"], rel=0.15)
+    info = DatasetInfo.from_json(runs["info"])
+    predicted = estimate.activation_bytes(spec.model, info, spec.per_worker_batch, "fp32", "none", spec.strategy)
+    assert predicted == pytest.approx(measured["mem_activation_bytes"], rel=0.15)
+    assert predicted < estimate.activation_bytes(spec.model, data_sets.shape_of(spec.data), spec.per_worker_batch,
+                                                 "fp32")  # less than the whole model saves

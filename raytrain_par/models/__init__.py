@@ -71,7 +71,12 @@ def build_on_meta(spec, info) -> tuple[nn.Module, Task]:
 
 def parameter_count(model: nn.Module) -> int:
     """Parameters of a model, a tied weight once."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return parameter_count_of(model.parameters())
+
+
+def parameter_count_of(params) -> int:
+    """Elements of distinct parameters (a tied weight once)."""
+    return sum(p.numel() for p in {id(p): p for p in params}.values())
 
 
 def pipeline_layer_count(spec) -> int:

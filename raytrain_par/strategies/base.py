@@ -227,6 +227,13 @@ class Engine(ABC):
         return None if est is None else int(est.theory)
 
     @classmethod
+    def estimate_inputs(cls, model: nn.Module, task, options) -> tuple[Callable, list[nn.Parameter]]:
+        """What `raytrain-par estimate` measures on a model with shapes only (meta or fake tensors):
+        the loss of a prepared batch as one worker computes it, and the parameters one worker holds
+        before any data-parallel sharding. An engine that splits the model itself says how."""
+        return (lambda batch: task.loss(model, batch)), list(model.parameters())
+
+    @classmethod
     def model_state_bytes(cls, options, train, dp: int, num_params: int) -> StateBytes | None:
         """Model-state bytes per worker before anything runs: the textbook figure for this sharding,
         and what this implementation is expected to hold (engines add their own buffers and copies).

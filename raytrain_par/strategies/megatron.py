@@ -143,7 +143,7 @@ class TensorParallelLM(nn.Module):
         self.vocab_start = head.start
         ids = torch.arange(head.start, head.start + head.weight.shape[0])
         self.register_buffer("padding", ids >= vocab_size, persistent=False)
-        self.padded = bool(self.padding.any())
+        self.padded = head.start + head.weight.shape[0] > vocab_size
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """This rank's logits [tokens, vocab/T]."""
@@ -279,8 +279,33 @@ def _count_ddp_allreduce(engine: "MegatronEngine", bucket):
     return allreduce_hook(engine.dp_group, bucket)
 
 
+class _ShapesOnly(TPGroup):
+    """A tensor-parallel group for estimating one rank's share: shapes as with `size` ranks, no
+    communication (the sums are shape-preserving)."""
+
+    def all_reduce(self, t, op=dist.ReduceOp.SUM):
+        return t
+
+
 class MegatronEngine(Engine):
     Options = Options
+
+    @classmethod
+    def estimate_inputs(cls, model, task, options):
+        split = split_lm(model, _ShapesOnly(None, options.tensor_parallel, 0),
+                         tp_ops.ParallelRNG(0, torch.device("cpu")))
+        return (lambda batch: split.model(batch["input_ids"], batch["labels"])), list(split.model.parameters())
+
+    @classmethod
+    def model_state_bytes(cls, options, train, dp, num_params):
+        """`num_params`: one rank's tensor-parallel shard; replicated over the D replicas, or sharded
+        over them by FSDP (data_parallel_sharding)."""
+        from ..metrics.memory import Sharding, StateBytes, model_state_theory, optimizer_state_bytes
+
+        every = options.data_parallel_sharding == "fsdp"
+        sharding = Sharding(params=every, grads=every, optim=every)
+        theory = model_state_theory(sharding, dp, train.precision, optimizer_state_bytes(train)) * num_params
+        return StateBytes(theory, theory)
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
         t = options.tensor_parallel
