@@ -181,3 +181,17 @@ def test_a_relative_config_path_reaches_workers_absolute_and_errors_survive_pick
     assert spec.model.options.config == str(Path(llama).resolve())
     err = pickle.loads(pickle.dumps(ConfigError("model.config", "x", "no such file", "give a path")))
     assert err.field == "model.config" and "fix: give a path" in str(err)
+
+
+def test_a_sweep_varies_config_fields_and_strategies_of_a_causal_lm(llama):
+    from raytrain_par import sweep
+
+    raw = spec_of(llama)
+    raw["sweep"] = {"grid": {"model.overrides.num_hidden_layers": [1, 2],
+                             "strategy": [{"name": "ddp"}, STRATEGIES["megatron"]]}}
+    raw["scaling"]["num_workers"] = 2
+    p = sweep.plan(config.parse(raw))
+    trials = [p.trial_spec(point) for point in p.points]
+    assert sorted((t.model.options.overrides["num_hidden_layers"], t.strategy.name) for t in trials) == [
+        (1, "ddp"), (1, "megatron"), (2, "ddp"), (2, "megatron")]
+    assert {models.pipeline_layer_count(t.model) for t in trials} == {3, 4}
