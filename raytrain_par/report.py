@@ -25,7 +25,7 @@ from .metrics.efficiency import rank, summarize  # noqa: E402
 from .metrics.records import read_records  # noqa: E402
 
 LABELS = {"val_loss": "validation loss", "val_perplexity": "validation perplexity",
-          "val_accuracy": "validation accuracy"}
+          "val_accuracy": "validation accuracy", "grad_noise_scale": "gradient noise scale B_simple (rows)"}
 
 
 def load(results_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -65,7 +65,7 @@ def _convergence(groups, metric, target, x, xlabel, title, path):
             ax.plot(*zip(*pts), marker="o", markersize=3, label=name)
     if target is not None:
         ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:g}")
-    if metric == "val_perplexity":
+    if metric in ("val_perplexity", "grad_noise_scale"):
         ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(LABELS.get(metric, metric))
@@ -158,6 +158,10 @@ def write_report(results_dir: str | Path, out: str | Path | None = None) -> list
     _scaling(rows, [(lambda r: _mib(r.get("mem_peak_bytes")), " peak", "-"),
                     (lambda r: _mib(r.get("mem_model_state_bytes")), " model states", "--")],
              "memory per worker (MiB)", f"{name}: memory per worker", files[4])
+    if any(r.get("grad_noise_scale") is not None for r in records):
+        files.append(out / "noise_scale.png")
+        _convergence(groups, "grad_noise_scale", None, "step", "optimizer steps",
+                     f"{name}: gradient noise scale (rows) during training", files[-1])
     summary = out / "summary.md"
     target_text = f", target {metric} {'>=' if mode == 'max' else '<='} {target:g}" if target is not None else ""
     summary.write_text(
