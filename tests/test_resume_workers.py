@@ -29,11 +29,14 @@ CASES = {
     "zero-2 1->2": ("zero-2", 1, 2, 1e-5),
     "zero-3 1->2": ("zero-3", 1, 2, 1e-5),
     "fsdp 1->2": ("fsdp", 1, 2, 1e-5),
+    "zero-1 2->1": ("zero-1", 2, 1, 1e-5),
     "zero-2 2->1": ("zero-2", 2, 1, 1e-5),
     "zero-3 2->1": ("zero-3", 2, 1, 1e-5),
     "fsdp 2->1": ("fsdp", 2, 1, 1e-5),
     "pipeline 2->4": (PIPELINE, 2, 4, 1e-5),
     "megatron 2->4": (MEGATRON, 2, 4, 1e-5),
+    # PipeDream restarts its pipeline empty on any resume (see pipedream.py): it continues, not identically
+    "pipedream 2->4": ({"name": "pipedream", "stages": 2}, 2, 4, None),
 }
 
 
@@ -92,7 +95,10 @@ def test_resumed_on_another_worker_count_trains_the_same_steps(runs, case):
     assert straight[0]["num_workers"] == n and resumed[0]["num_workers"] == m
     for was, now in zip(straight[2:], resumed):
         for key in ("train_loss", "val_loss"):
-            assert now[key] == pytest.approx(was[key], rel=rel, abs=0), f"{case} step {now['step']} {key}"
+            if rel is None:
+                assert now[key] == pytest.approx(was[key], rel=0.05), f"{case} step {now['step']} {key}"
+            else:
+                assert now[key] == pytest.approx(was[key], rel=rel, abs=0), f"{case} step {now['step']} {key}"
 
 
 # -- check_resumable -----------------------------------------------------------------------------------
@@ -155,20 +161,25 @@ def test_a_strategy_that_cannot_reshard_keeps_its_worker_count(tmp_path, monkeyp
 # -- through Ray Train ---------------------------------------------------------------------------------
 
 @pytest.mark.ray
-def test_zero2_on_two_ray_workers_resumes_on_one(ray_cluster, runs, tmp_path, info):
-    """`--resume --set scaling.num_workers=1` after a zero-2 run on 2 workers: steps 3 and 4 train what
-    the uninterrupted run on 2 workers trained."""
+def test_zero2_on_two_ray_workers_resumes_on_one(ray_cluster, tmp_path):
+    """A zero-2 run of 4 steps on 2 Ray workers; its step-4 checkpoint damaged, `--resume --set
+    scaling.num_workers=1` continues from step 2 on one worker and trains the steps the 2 workers did."""
     from raytrain_par.driver import run_experiment
 
     raw = {**_spec("zero-2", 2), "output_dir": str(tmp_path)}
-    first = run_experiment(config.parse({**raw, "train": {**raw["train"], "max_steps": 2}}), log=lambda *_: None)
+    raw["train"]["keep_checkpoints"] = 2
+    first = run_experiment(config.parse(raw), log=lambda *_: None)
     assert first.error is None, first.error
+    newest = sorted((tmp_path / "parity" / "train").glob("checkpoint_*/"))[-1]
+    assert json.loads((newest / "loop.json").read_text())["state"]["step"] == 4
+    (newest / "zero-rank1.pt").unlink()  # the run resumes from the one before it, at step 2
     one = {**raw, "scaling": {**raw["scaling"], "num_workers": 1}}
     resumed = run_experiment(config.parse(one), resume=True, log=lambda *_: None)
     assert resumed.error is None, resumed.error
-    straight = runs[0]["zero-2 2->1"]
-    got = [r for r in resumed.records if r["step"] > 2]
-    assert [r["step"] for r in got] == [3, 4]
-    for was, now in zip(straight[2:], got):
-        assert now["num_workers"] == 1
-        assert now["train_loss"] == pytest.approx(was["train_loss"], rel=1e-5, abs=0)
+    was = [r for r in first.records if r["step"] > 2]
+    now = [r for r in resumed.records if r["step"] > 2]
+    assert [r["step"] for r in now] == [3, 4] and now[0]["resumed_from_step"] == 2
+    for a, b in zip(was, now):
+        assert (a["num_workers"], b["num_workers"]) == (2, 1)
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=0)
+        assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5, abs=0)
