@@ -33,6 +33,10 @@ CASES = {
     "zero-2 2->1": ("zero-2", 2, 1, 1e-5),
     "zero-3 2->1": ("zero-3", 2, 1, 1e-5),
     "fsdp 2->1": ("fsdp", 2, 1, 1e-5),
+    # offloaded states (host memory, stepped by the experiment's optimizer there) re-partition alike
+    "zero-3 offloaded 2->1": ({"name": "zero-3", "offload_optimizer": True, "offload_param": True}, 2, 1, 1e-5),
+    # the same count through the loop: checkpoints written right after an evaluation hold shards
+    "fsdp 2->2": ("fsdp", 2, 2, 0.0),
     "pipeline 2->4": (PIPELINE, 2, 4, 1e-5),
     "megatron 2->4": (MEGATRON, 2, 4, 1e-5),
     # PipeDream restarts its pipeline empty on any resume (see pipedream.py): it continues, not identically
@@ -53,11 +57,11 @@ def _kept(records: list[dict]) -> list[dict]:
 def phase(rank, world, info_dict, tmp, straight: list[str], resume: list[str]):
     """Straight runs of the cases that write on `world` workers (and a copy of each that stops at its
     step-2 checkpoint), and resumes of the cases that continue on `world` workers."""
-    tmp, out = Path(tmp), {}
+    tmp, out = Path(tmp), {"straight": {}, "resumed": {}}
     for case in straight:
         strategy, n, _, _ = CASES[case]
         root = tmp / case
-        out[case] = _kept(loop(_spec(strategy, n), info_dict, root / "straight"))
+        out["straight"][case] = _kept(loop(_spec(strategy, n), info_dict, root / "straight"))
         if world > 1:
             torch.distributed.barrier()
         if rank == 0:
@@ -69,7 +73,7 @@ def phase(rank, world, info_dict, tmp, straight: list[str], resume: list[str]):
             torch.distributed.barrier()
     for case in resume:
         strategy, _, m, _ = CASES[case]
-        out[case] = _kept(loop(_spec(strategy, m), info_dict, tmp / case / "resumed", resume=True))
+        out["resumed"][case] = _kept(loop(_spec(strategy, m), info_dict, tmp / case / "resumed", resume=True))
     return out
 
 
@@ -78,12 +82,12 @@ def runs(info, tmp_path_factory):
     tmp, kjv = str(tmp_path_factory.mktemp("resume-workers")), info("kjv")
     writes = {w: [c for c, (_, n, _, _) in CASES.items() if n == w] for w in (1, 2)}
     resumes = {w: [c for c, (_, _, m, _) in CASES.items() if m == w] for w in (1, 2, 4)}
-    straight = run_ranks(1, phase, kjv, tmp, writes[1], [])[0]
-    two = run_ranks(2, phase, kjv, tmp, writes[2], resumes[2])
-    straight.update({c: two[0][c] for c in writes[2]})
-    resumed = {c: two[0][c] for c in resumes[2]}
-    resumed.update(run_ranks(1, phase, kjv, tmp, [], resumes[1])[0])
-    resumed.update(run_ranks(4, phase, kjv, tmp, [], resumes[4])[0])
+    straight, resumed = {}, {}
+    for world, args in ((1, (writes[1], [])), (2, (writes[2], resumes[2])), (1, ([], resumes[1])),
+                        (4, ([], resumes[4]))):
+        out = run_ranks(world, phase, kjv, tmp, *args)[0]
+        straight.update(out["straight"])
+        resumed.update(out["resumed"])
     return straight, resumed
 
 
