@@ -434,7 +434,8 @@ class ZeroEngine(Engine):
     def _link_optimizer_state(self) -> None:
         """Stages 1 and 2: point each parameter at its piece of the optimizer's state, which the
         accessors read. DeepSpeed links them once, right after stepping the first parameter group,
-        before the other groups' state exists (their pieces stay unlinked): link them again."""
+        before the other groups' state exists (their pieces stay unlinked): link them again.
+        (DeepSpeed's private flag and method, as of DeepSpeed 0.19.8.)"""
         if self.stage < 3:
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
@@ -481,7 +482,8 @@ class ZeroEngine(Engine):
     def _set_partition(self, p: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
         """Stage 3: this rank's piece of the fp32 master weights (`key` None) or optimizer state of `p`.
         DeepSpeed's own setter (`set_full_hp_param`) reads past the end of the whole tensor on a rank
-        whose partition is padded (the tensor does not split evenly): pad it first."""
+        whose partition is padded (the tensor does not split evenly): pad it first. (Where a parameter's
+        piece lies, `grad_position`, is DeepSpeed's private layout, as of DeepSpeed 0.19.8.)"""
         opt = self.optimizer
         group, offset, numel = opt.grad_position[opt.get_param_id(p)]
         flat = opt.fp32_partitioned_groups_flat[group]
