@@ -225,7 +225,11 @@ def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdi
     return results
 
 
-# What a checkpoint must agree on with the experiment that resumes it.
+# What a checkpoint must agree on with the experiment that resumes it. A strategy's Options may lift
+# some: `checkpoints_any_workers` (its engine re-shards a checkpoint to another data-parallel size:
+# scaling.num_workers may change, within what its options allow), `checkpoints_reshard` (its engine
+# also re-cuts for other strategy options, e.g. megatron's tensor_parallel: the strategy's options may
+# change too).
 RESUME_KEYS = ("model", "data.name", "data.path", "data.format", "data.field", "data.tokenizer", "data.seq_len",
                "data.vocab_size", "data.seed", "data.val_fraction", "strategy",
                "scaling.num_workers", "train.optimizer", "train.global_batch_size", "train.seed")
@@ -246,15 +250,37 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path) -> None:
             d = d.get(p) if isinstance(d, dict) else None
         return d
 
-    keys = RESUME_KEYS
-    if get(written, "strategy.name") == spec.strategy.name and getattr(spec.strategy.options, "checkpoints_reshard",
-                                                                       False):
-        keys = tuple(k for k in keys if k not in ("strategy", "scaling.num_workers"))  # the engine re-cuts them
-    diffs = [f"{k}: checkpoint {get(written, k)!r}, experiment {get(now, k)!r}" for k in keys
-             if get(written, k) != get(now, k)]
+    options, name = spec.strategy.options, spec.strategy.name
+    same_strategy = get(written, "strategy.name") == name
+    recut = same_strategy and getattr(options, "checkpoints_reshard", False)
+    any_workers = recut or (same_strategy and getattr(options, "checkpoints_any_workers", False))
+    lifted = {"strategy"} if recut else set()
+    if any_workers:
+        lifted.add("scaling.num_workers")
+    diffs, notes = [], []
+    for key in RESUME_KEYS:
+        was, is_ = get(written, key), get(now, key)
+        if key in lifted or was == is_:
+            continue
+        if key == "strategy" and same_strategy:  # name the options that differ
+            diffs += [f"strategy.{k}: checkpoint {was.get(k)!r}, experiment {is_.get(k)!r}"
+                      for k in sorted(set(was) | set(is_)) if was.get(k) != is_.get(k)]
+        else:
+            diffs.append(f"{key}: checkpoint {was!r}, experiment {is_!r}")
+        if key == "scaling.num_workers":
+            notes.append(f"{name} checkpoints resume only on the number of workers that wrote them")
+    workers = get(written, "scaling.num_workers")
+    if any_workers and workers != spec.scaling.num_workers and spec.data.effective_loader == "stream":
+        diffs.append(f"scaling.num_workers: checkpoint {workers!r}, experiment {spec.scaling.num_workers!r}: the "
+                     "stream loader gives each worker its own part of the training rows, so another number of "
+                     "workers would not continue the same batches")
+        notes.append("data.loader: memory draws the same global batches for any number of workers")
+    elif any_workers and not recut and any(d.startswith("strategy.") for d in diffs):
+        notes.append(f"{name} checkpoints resume on another scaling.num_workers with the same strategy options")
     if diffs:
         raise UserError(f"--resume: the checkpoints in {run_dir} were written by another setup:\n    "
-                        + "\n    ".join(diffs) + "\n  fix: resume with the settings the run started with, or "
+                        + "\n    ".join(diffs) + "".join(f"\n  note: {n}" for n in notes)
+                        + "\n  fix: resume with the settings the run started with, or "
                         "start a new run without --resume (the earlier results are kept aside)")
 
 

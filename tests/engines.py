@@ -45,6 +45,20 @@ def train_cases(rank: int, world: int, cases: list[tuple[dict, dict, int]]) -> l
     return [train_steps(rank, world, *case) for case in cases]
 
 
+def loop(spec_dict, info_dict, root, resume=False) -> list[dict]:
+    """The worker's training loop (LocalReporter: checkpoints under root), as Ray Train runs it;
+    returns its records."""
+    from raytrain_par.config import from_dict
+    from raytrain_par.worker import LocalReporter, Trainer, memory_train_loader
+
+    spec, info = from_dict(spec_dict), DatasetInfo.from_json(info_dict)
+    ctx = DistContext.current(torch.device("cpu"))
+    reporter = LocalReporter(root, ctx.rank, ctx.world_size, resume=resume, log=lambda *_: None)
+    trainer = Trainer(spec, info, ctx, reporter, memory_train_loader(spec, read_split(info, info.train_path)),
+                      read_split(info, info.val_path), log=lambda *_: None)
+    return trainer.run()
+
+
 def exported_val_loss(run_dir, info_dict: dict, rows: int, model_spec=None) -> float:
     """`raytrain-par export` a language-model run; load the result with transformers'
     AutoModelForCausalLM (every key present) and score the first `rows` validation rows, as the run's

@@ -128,5 +128,6 @@ def test_resume_from_another_model_is_refused_before_start(tmp_path):
     other = _spec(tmp_path, "model.name=gpt2-mini", "scaling.num_workers=1", "train.global_batch_size=32")
     with pytest.raises(UserError) as err:
         check_resumable(other, tmp_path / "train")
-    assert "model: checkpoint" in str(err.value) and "gpt2-mini" in str(err.value)
-    assert "scaling.num_workers: checkpoint 2, experiment 1" in str(err.value) and "fix:" in str(err.value)
+    assert "model: checkpoint" in str(err.value) and "gpt2-mini" in str(err.value) and "fix:" in str(err.value)
+    # the worker count may change (ddp's state is replicated): it is not among the differences
+    assert "num_workers" not in str(err.value)

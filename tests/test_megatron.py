@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raytrain_par.local_group import run_ranks
-from engines import experiment, exported_val_loss
+from engines import experiment, exported_val_loss, loop
 from raytrain_par import config, models, strategies
 from raytrain_par.models import gpt2
 from raytrain_par.data.loader import MemoryLoader, eval_batches
@@ -82,18 +82,6 @@ def train(spec_dict, info_dict, steps, attn_dropout=None, checkpoint=None):
 def odd_vocabulary(info_dict):
     """The data set as if its tokenizer had come out at 8193 tokens (every id stays below 8192)."""
     return {**info_dict, "vocab_size": 8193}
-
-
-def loop(spec_dict, info_dict, root, resume=False):
-    """The worker's training loop (LocalReporter: checkpoints under root); returns its records."""
-    from raytrain_par.worker import LocalReporter, Trainer, memory_train_loader
-
-    spec, info = config.from_dict(spec_dict), DatasetInfo.from_json(info_dict)
-    ctx = DistContext.current(torch.device("cpu"))
-    reporter = LocalReporter(root, ctx.rank, ctx.world_size, resume=resume, log=lambda *_: None)
-    trainer = Trainer(spec, info, ctx, reporter, memory_train_loader(spec, read_split(info, info.train_path)),
-                      read_split(info, info.val_path), log=lambda *_: None)
-    return trainer.run()
 
 
 def tensor_parallel_scenarios(rank, world, info_dict, tmp):

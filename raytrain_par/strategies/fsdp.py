@@ -10,7 +10,10 @@ Mixed precision is a MixedPrecisionPolicy: parameters stay fp32 shards (the mast
 all-gathered copies used for compute are bf16, gradients are reduced in fp32.
 
 Checkpoints: every rank writes its own shards (parameters and optimizer state as plain local
-tensors) and reads them back into the same layout.
+tensors). On the same number of workers each rank reads its own file back. On another number every
+rank reads all of them: a tensor sharded on dim 0 is its ranks' local shards one after the other, so
+the whole tensors are joined and this rank's new shard cut from them (what torch.distributed.checkpoint
+does; its metadata file is a pickle, which these checkpoints never load).
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class Options:
     # Host memory one worker may fill with offloaded states; default: this machine's available
     # memory shared by the workers (set it when workers run on other machines).
     host_memory_gb: Optional[float] = None
+
+    #: a checkpoint resumes on any worker count (the shards are joined and cut again)
+    checkpoints_any_workers = True
 
     def validate(self, spec, error) -> None:
         if spec.train.optimizer == "lamb":
@@ -124,7 +130,17 @@ class FSDPEngine(Engine):
     def _params(self) -> list[nn.Parameter]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
+    def _resharded(self) -> None:
+        """Every unit's parameters back to their shards: after a forward pass without backward (an
+        evaluation) the root, and units with reshard_after_forward off, still hold whole parameters."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def save(self, directory: Path) -> None:
+        self._resharded()
         optim = self.optimizer.state_dict()
         optim["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optim["state"].items()}
         state = {"params": {n: _local(p.detach()) for n, p in self.module.named_parameters()},
@@ -132,20 +148,21 @@ class FSDPEngine(Engine):
         torch.save(state, directory / f"fsdp-rank{self.ctx.rank}.pt")
 
     def load(self, directory: Path) -> None:
-        path = directory / f"fsdp-rank{self.ctx.rank}.pt"
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: the checkpoint holds no shard for rank {self.ctx.rank}; "
-                                    "resume with the number of workers that wrote it")
-        state = load_tensors(path, self.device)
-        if state["world_size"] != self.ctx.world_size:
-            raise ValueError(f"{path}: written by {state['world_size']} workers, resuming with "
-                             f"{self.ctx.world_size}; resume with the same number of workers")
+        saved = len(list(directory.glob("fsdp-rank*.pt")))  # one file per rank that wrote it
+        if saved == self.ctx.world_size:
+            state = load_tensors(directory / f"fsdp-rank{self.ctx.rank}.pt", self.device)
+            local = _like
+        else:
+            state = _joined([torch.load(directory / f"fsdp-rank{r}.pt", map_location="cpu", weights_only=True,
+                                        mmap=True) for r in range(saved)])
+            local = _shard_of
+        self._resharded()
+        params = self._params()
         with torch.no_grad():
             for name, p in self.module.named_parameters():
-                _local(p).copy_(state["params"][name])
-        params = self._params()
+                _local(p).copy_(_local(local(state["params"][name], p)))
         optim = state["optimizer"]
-        optim["state"] = {i: {k: _like(v, params[int(i)]) for k, v in s.items()} for i, s in optim["state"].items()}
+        optim["state"] = {i: {k: local(v, params[int(i)]) for k, v in s.items()} for i, s in optim["state"].items()}
         self.optimizer.load_state_dict(optim)
         self.scheduler.load_state_dict(state["scheduler"])
 
@@ -172,3 +189,29 @@ def _like(value: torch.Tensor, param: nn.Parameter):
         return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
     return value
+
+
+def _joined(ranks: list[dict]) -> dict:
+    """The ranks' files of a checkpoint -> one state of whole tensors: every tensor with dimensions is
+    sharded on dim 0 in rank order (one rank's file holds whole tensors already); scalars (the
+    optimizer's step) are the same on every rank."""
+    def join(values):
+        first = values[0]
+        return torch.cat(values) if isinstance(first, torch.Tensor) and first.dim() > 0 else first
+
+    first = ranks[0]
+    optim = first["optimizer"]
+    return {"params": {n: join([r["params"][n] for r in ranks]) for n in first["params"]},
+            "optimizer": {**optim, "state": {i: {k: join([r["optimizer"]["state"][i][k] for r in ranks]) for k in s}
+                                             for i, s in optim["state"].items()}},
+            "scheduler": first["scheduler"]}
+
+
+def _shard_of(whole, param: nn.Parameter):
+    """A whole tensor -> this rank's shard of it, laid out as `param` (a DTensor where `param` is one;
+    cut locally, no communication). Scalars stay."""
+    if not hasattr(param, "device_mesh") or not isinstance(whole, torch.Tensor) or whole.dim() == 0:
+        return whole.to(param.device) if isinstance(whole, torch.Tensor) else whole
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole.to(param.device), param.device_mesh, param.placements, src_data_rank=None)

@@ -81,6 +81,10 @@ class Options:
     split_points: Optional[list[int]] = None  # layer indices where stages 1.. begin; default: balanced
     balance: Literal["flops", "params"] = "flops"  # what the automatic split balances
 
+    #: a checkpoint resumes with another number of data-parallel replicas (the same stages): every
+    #: replica's stages are the same, so the first replica's files serve them all
+    checkpoints_any_workers = True
+
     @property
     def num_microbatches(self) -> int:
         return self.microbatches or (self.stages if self.weight_versions == 2 else 1)
@@ -454,9 +458,9 @@ class PipeDreamEngine(StagedLayout, Engine):
             torch.save(state, self._file(directory))
 
     def load(self, directory: Path) -> None:
-        from .pipeline import check_split
+        from .pipeline import check_split, stage_file
 
-        state = load_tensors(self._file(directory), self.device)
+        state = load_tensors(stage_file(self._file(directory), self.pipe), self.device)
         check_split(state, self.pipe)
         self.pipe.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

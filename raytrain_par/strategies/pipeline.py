@@ -37,6 +37,7 @@ time a rank was not computing (idle while waiting for its neighbours), to set ag
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,10 @@ class Options:
     virtual_stages: Optional[int] = None  # stages per worker, interleaved-1f1b / zero-bubble (default 2); zbv: 2
     split_points: Optional[list[int]] = None  # layer indices where stages 1.. begin; default: balanced
     balance: Literal["flops", "params"] = "flops"  # what the automatic split balances
+
+    #: a checkpoint resumes with another number of data-parallel replicas (the same stages): every
+    #: replica's stages are the same, so the first replica's files serve them all
+    checkpoints_any_workers = True
 
     @property
     def num_microbatches(self) -> int:
@@ -234,7 +239,7 @@ class PipelineEngine(StagedLayout, Engine):
                        self._file(directory))
 
     def load(self, directory: Path) -> None:
-        state = load_tensors(self._file(directory), self.device)
+        state = load_tensors(stage_file(self._file(directory), self.pipe), self.device)
         check_split(state, self.pipe)
         self.pipe.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -242,6 +247,16 @@ class PipelineEngine(StagedLayout, Engine):
 
     def full_state_dict(self):
         return self.pipe.full_state_dict()
+
+
+def stage_file(path: Path, pipe: Pipeline) -> Path:
+    """The file of this pipeline rank's stages (written by its first replica, read by every replica)."""
+    if not path.exists():
+        written = len(list(path.parent.glob(re.sub(r"\d+\.pt$", "*.pt", path.name))))
+        raise FileNotFoundError(f"{path} is missing: the checkpoint holds the stages of {written} pipeline ranks, "
+                                f"this run has {pipe.P}; resume with the strategy's stages unchanged "
+                                f"(strategy.stages: {written}); the number of workers may change in steps of it")
+    return path
 
 
 def check_split(state: dict, pipe: Pipeline) -> None:

@@ -14,6 +14,15 @@ bf16 / fp16, bucket sizes sized from the model (the defaults, 5e8 elements, are 
 Checkpoints: every rank writes its own partition (DeepSpeed's optimizer state dict: fp32 master
 weights and optimizer state), rank 0 the replicated parts, all read back with
 `torch.load(weights_only=True)` (DeepSpeed's own `load_checkpoint` unpickles arbitrary objects).
+Resuming on the same number of workers loads each rank's partition as it was. For another number,
+rank 0 also writes the consolidated state: every parameter's fp32 master weights and optimizer state
+(Adam's moments) whole, by name, gathered at save with DeepSpeed's own per-parameter accessors
+(`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`) and cut into the new partitions at load
+with their setters. DeepSpeed's universal checkpoint (`ds_to_universal`, `load_universal_checkpoint`)
+does the same job from the files `engine.save_checkpoint` writes, but reads them, and its converted
+files, with `torch.load(weights_only=False)`: unpickling arbitrary objects, which these checkpoints
+never do. The consolidated file costs rank 0 host memory and disk of 12 bytes per parameter (fp32
+AdamW) at each checkpoint.
 """
 
 from __future__ import annotations
@@ -53,6 +62,9 @@ class Options:
     # {reduce_bucket_size: 2.0e+7}}); DeepSpeed's own config classes check it.
     deepspeed: dict = field(default_factory=dict)
 
+    #: a checkpoint resumes on any worker count (its consolidated state is re-partitioned)
+    checkpoints_any_workers = True
+
     def validate(self, spec, error) -> None:
         stage = STAGES[spec.strategy.name]
         if spec.train.optimizer == "lamb":
@@ -77,6 +89,8 @@ class Options:
 
 
 STAGES = {"zero-1": 1, "zero-2": 2, "zero-3": 3}
+# Rank 0's consolidated copy of the model states, for resuming on another number of workers.
+CONSOLIDATED = "zero-consolidated.pt"
 # Modules `deepspeed.initialize` imports on first use (its optimizer check pulls in a
 # torch.compile'd optimizer, hence torch._inductor): imported before memory is measured.
 LAZY_IMPORTS = ("deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer")
@@ -369,25 +383,130 @@ class ZeroEngine(Engine):
         torch.save(state, directory / f"zero-rank{self.dp_rank}.pt")
         if self.stage < 3 and self.ctx.rank == 0:  # whole (16-bit) parameters, the same on every rank
             torch.save(self.model.state_dict(), directory / "zero-model.pt")
+        consolidated = self._consolidated()  # a collective: every rank gathers
+        if self.ctx.rank == 0:
+            torch.save(consolidated, directory / CONSOLIDATED)
 
     def load(self, directory: Path) -> None:
-        path = directory / f"zero-rank{self.dp_rank}.pt"
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: the checkpoint holds no ZeRO partition for rank {self.dp_rank}; "
-                                    "resume with the number of workers that wrote it")
-        state = _load_zero_state(path, self.device)
-        if state["dp_size"] != self.dp_size:
-            raise ValueError(f"{path}: written by {state['dp_size']} data-parallel ranks, resuming with "
-                             f"{self.dp_size}; resume with the same number of workers")
+        saved = len(list(directory.glob("zero-rank*.pt")))  # one partition per data-parallel rank that wrote it
+        if saved != self.dp_size:
+            return self._load_consolidated(directory, saved)
+        state = _load_zero_state(directory / f"zero-rank{self.dp_rank}.pt", self.device)
         if self.stage < 3:
             self.model.load_state_dict(load_tensors(directory / "zero-model.pt", self.device))
         # Only this rank's entry is read when the layout is unchanged (DeepSpeed's "rigid" load).
         parts = [None] * self.dp_size
         parts[self.dp_rank] = state["optimizer"]
         self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+        self._load_common(state)
+
+    def _load_common(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         for k, v in state["engine"].items():
             setattr(self.module, k, v)
+
+    # -- the consolidated state: whole tensors by name, for another data-parallel size --------------
+    def _masters(self) -> list[torch.Tensor]:
+        """This rank's flat fp32 partitions: what the experiment's optimizer steps (its state's keys)."""
+        opt = self.optimizer
+        return list(opt.fp32_partitioned_groups_flat if self.stage == 3 else opt.single_partition_of_fp32_groups)
+
+    def _consolidated(self) -> dict:
+        """Every trainable parameter's fp32 master weights and optimizer state, whole (collectives)."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        base = self.optimizer.optimizer
+        first = base.state.get(self._masters()[0], {})
+        self._link_optimizer_state()
+        # per-element state (Adam's moments, SGD's momentum) is gathered; scalars (the step) are the
+        # same for every partition
+        keys = sorted(k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        params, moments = {}, {}
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            params[name] = safe_get_full_fp32_param(p).detach().reshape(_shape(p)).cpu()
+            moments[name] = {k: safe_get_full_optimizer_state(p, k).detach().reshape(_shape(p)).cpu() for k in keys}
+        scalars = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in first.items() if k not in keys}
+        return {"params": params, "optimizer": moments, "optimizer_keys": keys, "optimizer_scalars": scalars,
+                "lr": [g["lr"] for g in self.optimizer.param_groups]}
+
+    def _link_optimizer_state(self) -> None:
+        """Stages 1 and 2: point each parameter at its piece of the optimizer's state, which the
+        accessors read. DeepSpeed links them once, right after stepping the first parameter group,
+        before the other groups' state exists (their pieces stay unlinked): link them again.
+        (DeepSpeed's private flag and method, as of DeepSpeed 0.19.8.)"""
+        if self.stage < 3:
+            self.optimizer._hp_optimizer_states_linked = False
+            self.optimizer._lazy_init_hp_params_optimizer_state()
+
+    def _load_consolidated(self, directory: Path, saved: int) -> None:
+        """Resume a checkpoint written by `saved` data-parallel ranks: this rank's partitions are cut
+        from the whole tensors (DeepSpeed's setters for stages 1 and 2; stage 3's by hand, see
+        `_set_partition`), the 16-bit copies the model computes with are refreshed from them."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        path = directory / CONSOLIDATED
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: this checkpoint was written by {saved} worker(s) before "
+                                    "ZeRO checkpoints carried their consolidated state; resume it with "
+                                    f"scaling.num_workers={saved}")
+        full = load_tensors(path, torch.device("cpu"))
+        base, keys = self.optimizer.optimizer, full["optimizer_keys"]
+        if keys:  # the optimizer's state, created empty as its first step would
+            for flat in self._masters():
+                base.state[flat] = {**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                                       for k, v in full["optimizer_scalars"].items()},
+                                    **{k: torch.zeros_like(flat) for k in keys}}
+            self._link_optimizer_state()
+        named = [(n, p) for n, p in self.model.named_parameters() if n in full["params"]]
+        for name, p in named:
+            value = full["params"][name].to(self.device)
+            if self.stage == 3:
+                self._set_partition(p, value)
+                for k in keys:
+                    self._set_partition(p, full["optimizer"][name][k].to(self.device), k)
+            else:
+                safe_set_full_fp32_param(p, value)
+                for k in keys:
+                    safe_set_full_optimizer_state(p, full["optimizer"][name][k].to(self.device), k)
+        self._set_model_weights(named, full["params"])
+        for group, lr in zip(self.optimizer.param_groups, full["lr"]):
+            group["lr"] = lr
+        state = _load_zero_state(directory / "zero-rank0.pt", torch.device("cpu"))
+        for key in ("loss_scaler", "dynamic_loss_scale", "overflow"):  # fp16's loss scale, as DeepSpeed loads it
+            if key in state["optimizer"] and hasattr(self.optimizer, key):
+                setattr(self.optimizer, key, state["optimizer"][key])
+        self._load_common(state)
+
+    def _set_partition(self, p: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
+        """Stage 3: this rank's piece of the fp32 master weights (`key` None) or optimizer state of `p`.
+        DeepSpeed's own setter (`set_full_hp_param`) reads past the end of the whole tensor on a rank
+        whose partition is padded (the tensor does not split evenly): pad it first. (Where a parameter's
+        piece lies, `grad_position`, is DeepSpeed's private layout, as of DeepSpeed 0.19.8.)"""
+        opt = self.optimizer
+        group, offset, numel = opt.grad_position[opt.get_param_id(p)]
+        flat = opt.fp32_partitioned_groups_flat[group]
+        target = (flat if key is None else opt.optimizer.state[flat][key]).narrow(0, offset, numel)
+        padded = value.new_zeros(numel * self.dp_size)
+        padded[:value.numel()] = value.flatten()
+        with torch.no_grad():
+            target.copy_(padded.narrow(0, numel * self.dp_rank, numel))
+
+    def _set_model_weights(self, named: list, values: dict) -> None:
+        """The weights the model computes with (16-bit under mixed precision), from the fp32 masters."""
+        if self.stage < 3:  # whole on every rank
+            with torch.no_grad():
+                for name, p in named:
+                    p.copy_(values[name])
+            return
+        import deepspeed
+
+        for name, p in named:  # gathered one at a time, set, and partitioned again
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if self.ctx.rank == 0:
+                    with torch.no_grad():
+                        p.copy_(values[name].reshape(p.shape))
 
     def full_state_dict(self):
         """fp32 master weights, gathered (a collective: every rank calls it)."""

@@ -1,0 +1,189 @@
+"""Resuming on another number of workers: a checkpoint written by N workers continues on M, through the
+worker's own training loop (save, the checkpoint directory, load), and the steps after it train the
+numbers an uninterrupted run trains; `check_resumable` allows exactly those worker counts.
+
+Each case trains 4 steps on N workers (a checkpoint at steps 2 and 4), then a copy of that run without
+its step-4 checkpoint resumes from step 2 on M workers. The global batch is fixed and the in-memory
+loader draws the same global batches for any worker count, so steps 3 and 4 must match the straight
+run's. One process group per phase (spawning costs seconds): N = 1 runs, N = 2 runs and the resumes
+of the N = 1 runs, the resumes on 1 worker, the resumes on 4."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines import experiment, loop
+from raytrain_par import config
+from raytrain_par.local_group import run_ranks
+
+TRAIN = {"eval_every_steps": 1, "checkpoint_every_evals": 2, "eval_at_start": False, "lr_schedule": "cosine",
+         "warmup_steps": 1, "weight_decay": 0.1}
+PIPELINE = {"name": "pipeline", "stages": 2, "schedule": "1f1b", "microbatches": 2}
+MEGATRON = {"name": "megatron", "tensor_parallel": 2}
+# case: (strategy, workers that write, workers that resume, relative tolerance)
+CASES = {
+    "ddp 1->2": ("ddp", 1, 2, 1e-6),
+    "zero-2 1->2": ("zero-2", 1, 2, 1e-5),
+    "zero-3 1->2": ("zero-3", 1, 2, 1e-5),
+    "fsdp 1->2": ("fsdp", 1, 2, 1e-5),
+    "zero-1 2->1": ("zero-1", 2, 1, 1e-5),
+    "zero-2 2->1": ("zero-2", 2, 1, 1e-5),
+    "zero-3 2->1": ("zero-3", 2, 1, 1e-5),
+    "fsdp 2->1": ("fsdp", 2, 1, 1e-5),
+    # offloaded states (host memory, stepped by the experiment's optimizer there) re-partition alike
+    "zero-3 offloaded 2->1": ({"name": "zero-3", "offload_optimizer": True, "offload_param": True}, 2, 1, 1e-5),
+    # the same count through the loop: checkpoints written right after an evaluation hold shards
+    "fsdp 2->2": ("fsdp", 2, 2, 0.0),
+    "pipeline 2->4": (PIPELINE, 2, 4, 1e-5),
+    "megatron 2->4": (MEGATRON, 2, 4, 1e-5),
+    # PipeDream restarts its pipeline empty on any resume (see pipedream.py): it continues, not identically
+    "pipedream 2->4": ({"name": "pipedream", "stages": 2}, 2, 4, None),
+}
+
+
+def _spec(strategy, workers) -> dict:
+    spec = experiment("gpt2-tiny", "kjv", strategy=strategy, workers=workers, batch=8, steps=4, **TRAIN)
+    spec["data"]["max_val_samples"] = 16
+    return spec
+
+
+def _kept(records: list[dict]) -> list[dict]:
+    return [{k: r[k] for k in ("step", "train_loss", "val_loss", "num_workers")} for r in records]
+
+
+def phase(rank, world, info_dict, tmp, straight: list[str], resume: list[str]):
+    """Straight runs of the cases that write on `world` workers (and a copy of each that stops at its
+    step-2 checkpoint), and resumes of the cases that continue on `world` workers."""
+    tmp, out = Path(tmp), {"straight": {}, "resumed": {}}
+    for case in straight:
+        strategy, n, _, _ = CASES[case]
+        root = tmp / case
+        out["straight"][case] = _kept(loop(_spec(strategy, n), info_dict, root / "straight"))
+        if world > 1:
+            torch.distributed.barrier()
+        if rank == 0:
+            shutil.copytree(root / "straight", root / "resumed")
+            newest = sorted((root / "resumed").glob("checkpoint_*"))[-1]
+            assert json.loads((newest / "loop.json").read_text())["state"]["step"] == 4
+            shutil.rmtree(newest)
+        if world > 1:
+            torch.distributed.barrier()
+    for case in resume:
+        strategy, _, m, _ = CASES[case]
+        out["resumed"][case] = _kept(loop(_spec(strategy, m), info_dict, tmp / case / "resumed", resume=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(info, tmp_path_factory):
+    tmp, kjv = str(tmp_path_factory.mktemp("resume-workers")), info("kjv")
+    writes = {w: [c for c, (_, n, _, _) in CASES.items() if n == w] for w in (1, 2)}
+    resumes = {w: [c for c, (_, _, m, _) in CASES.items() if m == w] for w in (1, 2, 4)}
+    straight, resumed = {}, {}
+    for world, args in ((1, (writes[1], [])), (2, (writes[2], resumes[2])), (1, ([], resumes[1])),
+                        (4, ([], resumes[4]))):
+        out = run_ranks(world, phase, kjv, tmp, *args)[0]
+        straight.update(out["straight"])
+        resumed.update(out["resumed"])
+    return straight, resumed
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resumed_on_another_worker_count_trains_the_same_steps(runs, case):
+    straight, resumed = runs[0][case], runs[1][case]
+    _, n, m, rel = CASES[case]
+    assert [r["step"] for r in straight] == [1, 2, 3, 4] and [r["step"] for r in resumed] == [3, 4]
+    assert straight[0]["num_workers"] == n and resumed[0]["num_workers"] == m
+    for was, now in zip(straight[2:], resumed):
+        for key in ("train_loss", "val_loss"):
+            if rel is None:
+                assert now[key] == pytest.approx(was[key], rel=0.05), f"{case} step {now['step']} {key}"
+            else:
+                assert now[key] == pytest.approx(was[key], rel=rel, abs=0), f"{case} step {now['step']} {key}"
+
+
+# -- check_resumable -----------------------------------------------------------------------------------
+
+def _written(tmp_path, raw: dict) -> Path:
+    ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
+    ckpt.mkdir(parents=True)
+    (ckpt / "loop.json").write_text(json.dumps({"experiment": config.parse(raw).to_dict()}))
+    return tmp_path / "train"
+
+
+@pytest.mark.parametrize("strategy,written,resumed", [
+    ("ddp", 2, 1), ("zero-1", 2, 4), ("zero-2", 2, 1), ("zero-3", 1, 2), ("fsdp", 4, 2),
+    (PIPELINE, 2, 4), ({"name": "pipedream", "stages": 2}, 4, 2), (MEGATRON, 2, 4)])
+def test_worker_count_may_change_where_the_engine_reshards(tmp_path, strategy, written, resumed):
+    from raytrain_par.driver import check_resumable
+
+    run_dir = _written(tmp_path, experiment(strategy=strategy, workers=written))
+    check_resumable(config.parse(experiment(strategy=strategy, workers=resumed)), run_dir)
+
+
+@pytest.mark.parametrize("written,resumed,words", [
+    (experiment(strategy=PIPELINE, workers=2), experiment(strategy={**PIPELINE, "stages": 4, "microbatches": 4}, workers=4),
+     ["strategy.stages: checkpoint 2, experiment 4",
+      "pipeline checkpoints resume on another scaling.num_workers with the same strategy options"]),
+    (experiment(strategy="zero-2", workers=2), experiment(strategy="zero-3", workers=2),
+     ["strategy: checkpoint {'name': 'zero-2'"]),
+    ({**experiment(workers=2), "data": {"name": "kjv", "loader": "stream"}},
+     {**experiment(workers=1), "data": {"name": "kjv", "loader": "stream"}},
+     ["scaling.num_workers: checkpoint 2, experiment 1: the stream loader",
+      "data.loader: memory draws the same global batches"]),
+])
+def test_resume_that_cannot_continue_is_refused_naming_what_differs(tmp_path, written, resumed, words):
+    from raytrain_par.driver import check_resumable
+    from raytrain_par.errors import UserError
+
+    run_dir = _written(tmp_path, written)
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    with pytest.raises(UserError) as err:
+        check_resumable(config.parse(resumed), run_dir)
+    for w in words:
+        assert w in str(err.value)
+    assert "fix:" in str(err.value)
+    assert sorted(p.name for p in run_dir.rglob("*")) == before  # checkpoints untouched
+
+
+def test_a_strategy_that_cannot_reshard_keeps_its_worker_count(tmp_path, monkeypatch):
+    from raytrain_par.driver import check_resumable
+    from raytrain_par.errors import UserError
+    from raytrain_par.strategies import ddp
+
+    monkeypatch.setattr(ddp.Options, "checkpoints_any_workers", False)
+    run_dir = _written(tmp_path, experiment(workers=2))
+    with pytest.raises(UserError) as err:
+        check_resumable(config.parse(experiment(workers=1)), run_dir)
+    assert "scaling.num_workers: checkpoint 2, experiment 1" in str(err.value)
+    assert "ddp checkpoints resume only on the number of workers that wrote them" in str(err.value)
+
+
+# -- through Ray Train ---------------------------------------------------------------------------------
+
+@pytest.mark.ray
+def test_zero2_on_two_ray_workers_resumes_on_one(ray_cluster, tmp_path):
+    """A zero-2 run of 4 steps on 2 Ray workers; its step-4 checkpoint damaged, `--resume --set
+    scaling.num_workers=1` continues from step 2 on one worker and trains the steps the 2 workers did."""
+    from raytrain_par.driver import run_experiment
+
+    raw = {**_spec("zero-2", 2), "output_dir": str(tmp_path)}
+    raw["train"]["keep_checkpoints"] = 2
+    first = run_experiment(config.parse(raw), log=lambda *_: None)
+    assert first.error is None, first.error
+    newest = sorted((tmp_path / "parity" / "train").glob("checkpoint_*/"))[-1]
+    assert json.loads((newest / "loop.json").read_text())["state"]["step"] == 4
+    (newest / "zero-rank1.pt").unlink()  # the run resumes from the one before it, at step 2
+    one = {**raw, "scaling": {**raw["scaling"], "num_workers": 1}}
+    resumed = run_experiment(config.parse(one), resume=True, log=lambda *_: None)
+    assert resumed.error is None, resumed.error
+    was = [r for r in first.records if r["step"] > 2]
+    now = [r for r in resumed.records if r["step"] > 2]
+    assert [r["step"] for r in now] == [3, 4] and now[0]["resumed_from_step"] == 2
+    for a, b in zip(was, now):
+        assert (a["num_workers"], b["num_workers"]) == (2, 1)
+        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=0)
+        assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5, abs=0)
