@@ -24,6 +24,17 @@ OUR_LINES = [
 ]
 
 
+# Ray 2.60's placement-group cleaner asks the state API with no address; with a second Ray cluster on
+# the machine (the suite's shared one) that fails and its thread prints a traceback. With one cluster,
+# as a user running the quickstart has, it does not; those lines are allowed only when another runs.
+SECOND_CLUSTER_LINES = [r"\(PlacementGroupCleaner pid=\d+\)"]
+
+
+def other_ray_clusters() -> bool:
+    """Whether a Ray cluster (a GCS server) already runs on this machine."""
+    return subprocess.run(["pgrep", "-f", "gcs_server"], capture_output=True).returncode == 0
+
+
 def readme_commands() -> list[str]:
     """The commands of README.md's "Running an experiment" block, comments dropped."""
     text = (REPO / "README.md").read_text()
@@ -45,6 +56,7 @@ def test_readme_commands_work_as_typed_and_the_console_is_quiet(tmp_path):
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"  # as `. .venv/bin/activate` leaves it
     commands = [c for c in readme_commands() if "--address" not in c]  # that one needs a cluster of yours
     assert commands[0] == "raytrain-par run experiments/quickstart.yaml" and len(commands) >= 6
+    allowed = OUR_LINES + RAY_LINES + (SECOND_CLUSTER_LINES if other_ray_clusters() else [])
     outputs = {}
     for command in commands:
         proc = subprocess.run(["bash", "-c", shortened(command)], cwd=tmp_path, env=env, capture_output=True,
@@ -53,6 +65,6 @@ def test_readme_commands_work_as_typed_and_the_console_is_quiet(tmp_path):
         outputs[command] = proc.stdout + proc.stderr
     assert (tmp_path / "gpt2-quickstart" / "config.json").exists()  # the export line
     console = outputs[commands[0]].splitlines()
-    unexpected = [line for line in console if not any(re.search(p, line) for p in OUR_LINES + RAY_LINES)]
+    unexpected = [line for line in console if not any(re.search(p, line) for p in allowed)]
     assert not unexpected, "\n".join(unexpected)
     assert sum("[quickstart/run] step" in line for line in console) == 2  # steps 0 and 4
