@@ -265,6 +265,8 @@ class Trainer:
         self.state = LoopState(**meta["state"])
         self.engine.load(directory)
         rng_file = directory / f"rng-rank{self.ctx.rank}.pt"
+        if not rng_file.exists():  # a worker the run did not have before: streams start equal on every rank
+            rng_file = directory / "rng-rank0.pt"
         if rng_file.exists():
             rng = torch.load(rng_file, weights_only=True)
             torch.set_rng_state(rng["torch"])
