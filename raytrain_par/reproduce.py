@@ -43,6 +43,12 @@ STUDY_ZERO_CUT = (0.42, 0.66)
 IDENTICAL_TOLERANCE = 1e-4
 
 
+def say(*parts) -> None:
+    """The default log: print as it is when called. Ray replaces builtins.print once imported, and Tune
+    pickles the log function with the sweep's state, which fails for a `print` taken before that."""
+    print(*parts, flush=True)
+
+
 @dataclass(frozen=True)
 class Setting:
     experiment: str                 # under experiments/
@@ -542,7 +548,7 @@ def write_finding(pl: Planned, records: list[dict], trials: list[dict], out: Pat
     return page, verdict
 
 
-def run_finding(pl: Planned, out: Path, address: str | None = None, log=print) -> tuple[Path, Verdict, float]:
+def run_finding(pl: Planned, out: Path, address: str | None = None, log=say) -> tuple[Path, Verdict, float]:
     from .metrics.records import read_records
     from .report import write_report
     from .tuning import run_sweep
@@ -567,7 +573,7 @@ def list_text() -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *rows])
 
 
-def main(args, log=print) -> int:
+def main(args, log=say) -> int:
     if args.list:
         log(list_text())
         return 0
