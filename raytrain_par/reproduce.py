@@ -136,7 +136,12 @@ def judge_identical(records: list[dict], trials: list[dict]) -> Verdict:
                             "largest relative difference from ddp", "s/step", "model states MiB/worker (census)"],
                            rows)
     others = len(trials) - 1
-    if worst <= IDENTICAL_TOLERANCE:
+    if worst == 0:
+        outcome = "held"
+        summary = (f"the validation losses of the {others} other strategies are bit-identical to ddp's at every "
+                   f"evaluation (tolerance {IDENTICAL_TOLERANCE:.0e}); over the run the loss moved by {moved:.1%} of "
+                   "its first value")
+    elif worst <= IDENTICAL_TOLERANCE:
         outcome = "held"
         summary = (f"every evaluation of the {others} other strategies is within {_f(worst, '.1e')} (relative) of "
                    f"ddp's validation loss, against a tolerance of {IDENTICAL_TOLERANCE:.0e}; over the run the loss "
@@ -210,7 +215,8 @@ def judge_staleness(records: list[dict], trials: list[dict]) -> Verdict:
     summary = (f"pipedream's validation loss is above the synchronous pipeline's at {len(behind)} of {len(steps)} "
                f"evaluations at equal steps" + (f", by {gaps[last]:+.3f} at step {last}" if last else ""))
     ttt = {_strategy_label(t): t.get("time_to_target_s") for t in trials}
-    summary += "; time to target " + ", ".join(f"{k} {_f(v, '.1f')} s" for k, v in ttt.items())
+    summary += "; time to target " + ", ".join(f"{k} " + (f"{v:.1f} s" if v is not None else "not reached")
+                                               for k, v in ttt.items())
     notes = ["PipeDream's first stage computes its forward pass with weights one update older than the ones its "
              "gradient is applied to (weight stashing keeps each micro-batch's forward and backward consistent, "
              "not current); the synchronous schedules apply the exact gradient of the current weights, so GPipe "
@@ -532,7 +538,7 @@ def write_finding(pl: Planned, records: list[dict], trials: list[dict], out: Pat
         figures.append("memory.png")
     failed = [t["trial"] for t in trials if t.get("status") == "failed"]
     overrides = "\n".join(f"    --set {shlex.quote(o)}" for o in pl.setting.overrides)
-    body = [f"**{verdict.outcome.capitalize()}.** {verdict.summary}.", "## The study's finding", f.claim,
+    body = [f"**{verdict.outcome.capitalize()}.** {verdict.summary[0].upper()}{verdict.summary[1:]}.", "## The study's finding", f.claim,
             "## What was measured here", verdict.table, *verdict.notes]
     if failed:
         body.append(f"Trials that failed (their records are missing above): {', '.join(failed)}.")
@@ -541,11 +547,17 @@ def write_finding(pl: Planned, records: list[dict], trials: list[dict], out: Pat
              f"`{pl.experiment.relative_to(REPO)}` with these overrides (then `name`, `output_dir`"
              f"{' and the command line' if len(pl.overrides) > len(pl.setting.overrides) + 2 else ''}), one trial "
              f"at a time through `raytrain-par sweep`'s Ray Tune path: {len(trials)} trials in {minutes:.1f} minutes "
-             f"of wall-clock time, records in `{pl.spec.results_dir}`.",
+             f"of wall-clock time, records in `{_shown(pl.spec.results_dir)}`.",
              f"```\n{overrides}\n```" if overrides else ""]
     page = write_page(page_dir / "index.md", f"Reproduced: {f.title}", "\n\n".join(b for b in body if b),
                       command=pl.command)
     return page, verdict
+
+
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative to the working directory when below it."""
+    path = path.resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 def run_finding(pl: Planned, out: Path, address: str | None = None, log=say) -> tuple[Path, Verdict, float]:
