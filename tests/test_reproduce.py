@@ -128,3 +128,27 @@ def test_identical_curves_end_to_end_writes_its_page(ray_cluster, tmp_path):
     assert "| zero-2 | 2 | 3 |" in page and "![convergence_epochs](convergence_epochs.png)" in page
     assert (out / "identical-curves" / "convergence_epochs.png").stat().st_size > 1000
     assert (tmp_path / "results" / "identical-curves" / "trials.parquet").exists()
+
+
+def test_memory_judges_compare_with_data_parallel():
+    def rec(trial, census, theory, peak):
+        return {"trial": trial, "mem_model_state_census_bytes": census, "mem_model_state_theory_bytes": theory,
+                "mem_model_state_bytes": census, "mem_peak_bytes": peak}
+    trials = [{"trial": t, "strategy": s, "num_workers": 4, "mean_step_time_s": 1.0}
+              for t, s in (("a", "ddp"), ("b", "zero-3"), ("c", "zero-1"))]
+    records = [rec("a", 400 * 2**20, 400 * 2**20, 1200 * 2**20), rec("b", 100 * 2**20, 100 * 2**20, 500 * 2**20),
+               rec("c", 250 * 2**20, 250 * 2**20, 1000 * 2**20)]
+    v = reproduce.judge_zero_memory(records, trials)
+    assert v.outcome == "held" and "75% less per worker than ddp on 4 workers (zero-3)" in v.summary
+    assert "| zero-3 | 4 | 100.0 | 75% | 100.0 | 75% | 100.0 | 500.0 | 58% |" in v.table
+    records[1]["mem_model_state_census_bytes"] = 300 * 2**20
+    v = reproduce.judge_zero_memory(records, trials)  # zero-1's 38% cut is now the best: below the study's 42%
+    assert v.outcome == "partly" and "below the study's range" in v.summary
+
+    mt = [{"trial": f"t{t}", "strategy": "megatron", "num_workers": t,
+           "overrides": '{"strategy": {"name": "megatron", "tensor_parallel": %d}}' % t} for t in (1, 2, 4)]
+    peaks = {1: 900, 2: 700, 4: 800}
+    records = [rec(f"t{t}", 10, 10, peaks[t] * 2**20) for t in peaks]
+    v = reproduce.judge_megatron(records, mt)
+    assert v.outcome == "held" and "a U: lowest at T=2" in v.summary
+    assert reproduce.judge_megatron(records[:2], mt[:2]).outcome == "partly"
