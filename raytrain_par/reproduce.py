@@ -289,6 +289,7 @@ def _layout(t: dict) -> tuple[str, int, int]:
 
 def judge_megatron(records: list[dict], trials: list[dict]) -> Verdict:
     rows, tp_only, mixed, ddp = [], {}, {}, {}
+    trials = sorted(trials, key=lambda t: (t["strategy"] != "megatron", _layout(t)[2], _layout(t)[1]))
     for t, census, theory, alloc, peak in _memory_rows(records, trials):
         name, tp, dp = _layout(t)
         label = f"megatron T={tp}" + (f" × D={dp}" if dp > 1 else "") if name == "megatron" else f"{name} × {dp}"
@@ -501,6 +502,7 @@ def _bar_chart(records: list[dict], trials: list[dict], kind: str, title: str, p
     import matplotlib.pyplot as plt
 
     labels, census, theory, peak = [], [], [], []
+    trials = sorted(trials, key=lambda t: (t["strategy"], _layout(t)[2], _layout(t)[1], t["num_workers"]))
     for t, c, th, _, p in _memory_rows(records, trials):
         name, tp, dp = _layout(t)
         labels.append(f"{name} T={tp}" + (f"×D={dp}" if dp > 1 else "") if name == "megatron"
