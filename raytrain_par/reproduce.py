@@ -138,17 +138,17 @@ def judge_identical(records: list[dict], trials: list[dict]) -> Verdict:
     others = len(trials) - 1
     if worst == 0:
         outcome = "held"
-        summary = (f"the validation losses of the {others} other strategies are bit-identical to ddp's at every "
+        summary = (f"The validation losses of the {others} other strategies are bit-identical to ddp's at every "
                    f"evaluation (tolerance {IDENTICAL_TOLERANCE:.0e}); over the run the loss moved by {moved:.1%} of "
                    "its first value")
     elif worst <= IDENTICAL_TOLERANCE:
         outcome = "held"
-        summary = (f"every evaluation of the {others} other strategies is within {_f(worst, '.1e')} (relative) of "
+        summary = (f"Every evaluation of the {others} other strategies is within {_f(worst, '.1e')} (relative) of "
                    f"ddp's validation loss, against a tolerance of {IDENTICAL_TOLERANCE:.0e}; over the run the loss "
                    f"moved by {moved:.1%} of its first value")
     else:
         outcome = "not held"
-        summary = (f"the largest relative difference from ddp's validation loss is {_f(worst, '.1e')}, above the "
+        summary = (f"The largest relative difference from ddp's validation loss is {_f(worst, '.1e')}, above the "
                    f"tolerance of {IDENTICAL_TOLERANCE:.0e}")
     notes = [f"Tolerance {IDENTICAL_TOLERANCE:.0e}: the strategies sum the same fp32 gradients in different orders "
              "(DDP buckets, ZeRO's partitioned reduce, FSDP's reduce-scatter), which moves a loss in its 6th-7th "
@@ -157,18 +157,16 @@ def judge_identical(records: list[dict], trials: list[dict]) -> Verdict:
     return Verdict(outcome, summary, table, notes)
 
 
-def _falls(values: list[float | None]) -> bool | None:
-    known = [v for v in values if v is not None]
-    if len(known) < 2 or len(known) < len(values):
-        return None
-    return all(b < a for a, b in zip(known, known[1:]))
+def _falls(values: list[float | None]) -> list[bool]:
+    """For each pair of neighbours that are both known: did the value fall?"""
+    return [b < a for a, b in zip(values, values[1:]) if a is not None and b is not None]
 
 
 def judge_scaling(records: list[dict], trials: list[dict]) -> Verdict:
     by_strategy: dict[str, list[dict]] = defaultdict(list)
     for t in trials:
         by_strategy[t["strategy"]].append(t)
-    rows, checks, parts = [], [], []
+    rows, checks, parts, unknown, workers = [], [], [], 0, ""
     for name, ts in by_strategy.items():
         ts = sorted(ts, key=lambda t: t["num_workers"])
         for t in ts:
@@ -177,12 +175,12 @@ def judge_scaling(records: list[dict], trials: list[dict]) -> Verdict:
                          _f(t.get("time_to_target_s"), ".1f")])
         epoch = [t.get("epoch_time_s") for t in ts]
         target = [t.get("time_to_target_s") for t in ts]
-        checks += [_falls(epoch), _falls(target)]
+        checks += _falls(epoch) + _falls(target)
+        unknown += target.count(None) + epoch.count(None)
+        parts.append(f"{name} {' → '.join(_f(v, '.0f') for v in epoch)} s per epoch and "
+                     f"{' → '.join('not reached' if v is None else f'{v:.1f} s' for v in target)} to target")
         workers = " → ".join(str(t["num_workers"]) for t in ts)
-        parts.append(f"{name}: time per epoch {' → '.join(_f(v, '.0f') for v in epoch)} s and time to target "
-                     f"{' → '.join(_f(v, '.1f') for v in target)} s for {workers} workers")
-    held = [c for c in checks if c]
-    outcome = "held" if held and len(held) == len(checks) else "partly" if held else "not held"
+    outcome = ("held" if checks and all(checks) and not unknown else "partly" if any(checks) else "not held")
     table = markdown_table(["strategy", "workers", "global batch", "steps", "s/step", "samples/s",
                             "time per epoch (s)", "time to target (s)"], rows)
     cores = os.cpu_count()
@@ -193,7 +191,10 @@ def judge_scaling(records: list[dict], trials: list[dict]) -> Verdict:
              "Every trial sees the same number of samples (the per-worker batch is fixed, as in the study; the "
              "learning rate follows the global batch by the square-root rule), evaluated at the same sample "
              "counts; \"–\" means the target was not reached in that budget."]
-    return Verdict(outcome, "; ".join(parts), table, notes)
+    fell = sum(checks)
+    summary = (f"Time fell in {fell} of {len(checks)} comparisons from one worker count to the next (time per "
+               f"epoch and time to target, where reached): for {workers} workers, {'; '.join(parts)}")
+    return Verdict(outcome, summary, table, notes)
 
 
 def judge_staleness(records: list[dict], trials: list[dict]) -> Verdict:
@@ -212,7 +213,7 @@ def judge_staleness(records: list[dict], trials: list[dict]) -> Verdict:
     behind = [s for s in steps if gaps[s] > 0]
     outcome = "held" if steps and len(behind) == len(steps) else "partly" if behind else "not held"
     last = steps[-1] if steps else None
-    summary = (f"pipedream's validation loss is above the synchronous pipeline's at {len(behind)} of {len(steps)} "
+    summary = (f"PipeDream's validation loss is above the synchronous pipeline's at {len(behind)} of {len(steps)} "
                f"evaluations at equal steps" + (f", by {gaps[last]:+.3f} at step {last}" if last else ""))
     ttt = {_strategy_label(t): t.get("time_to_target_s") for t in trials}
     summary += "; time to target " + ", ".join(f"{k} " + (f"{v:.1f} s" if v is not None else "not reached")
@@ -261,7 +262,7 @@ def judge_zero_memory(records: list[dict], trials: list[dict]) -> Verdict:
     parts = [states >= lo, peak is not None and peak >= lo, speed <= 1.1]
     outcome = "held" if all(parts) else "partly" if any(parts) else "not held"
     where = "within" if lo <= states <= hi else "beyond" if states > hi else "below"
-    summary = (f"the study measured {lo:.0%}–{hi:.0%} less memory per GPU with ZeRO at no cost in speed. Model "
+    summary = (f"The study measured {lo:.0%}–{hi:.0%} less memory per GPU with ZeRO at no cost in speed. Model "
                "states: the best ZeRO stage held " + ", ".join(
                    f"{best[w][0]:.0%} less per worker than ddp on {w} workers ({best[w][3]})" for w in sorted(best))
                + f", {where} the study's range. The whole worker: its peak memory changed by {-peak:+.0%} on {n} "
@@ -304,7 +305,7 @@ def judge_megatron(records: list[dict], trials: list[dict]) -> Verdict:
                             "s/step"], rows)
     degrees = sorted(tp_only)
     peaks = [tp_only[d][1] for d in degrees]
-    text = "peak memory per worker against T: " + ", ".join(f"T={d} {_mib(p)} MiB" for d, p in zip(degrees, peaks))
+    text = "Peak memory per worker against T: " + ", ".join(f"T={d} {_mib(p)} MiB" for d, p in zip(degrees, peaks))
     if len(degrees) >= 3 and None not in peaks:
         low = peaks.index(min(peaks))
         u = 0 < low < len(peaks) - 1
@@ -516,7 +517,7 @@ def _bar_chart(records: list[dict], trials: list[dict], kind: str, title: str, p
     ax.bar([x + 0.2 for x in xs], theory, width=0.4, label="model states (theory)", alpha=0.6)
     if kind == "megatron":
         ax2 = ax.twinx()
-        ax2.plot(list(xs), peak, "ko--", label="peak per worker")
+        ax2.plot(list(xs), peak, "ko", markersize=7, label="peak per worker")  # points: layouts are not a series
         ax2.set_ylabel("peak memory per worker (MiB)")
         ax2.legend(loc="upper right", fontsize=8)
     ax.set_xticks(list(xs), labels, fontsize=7, rotation=30 if kind == "megatron" else 0)
@@ -548,7 +549,7 @@ def write_finding(pl: Planned, records: list[dict], trials: list[dict], out: Pat
         figures.append("memory.png")
     failed = [t["trial"] for t in trials if t.get("status") == "failed"]
     overrides = "\n".join(f"    --set {shlex.quote(o)}" for o in pl.setting.overrides)
-    body = [f"**{verdict.outcome.capitalize()}.** {verdict.summary[0].upper()}{verdict.summary[1:]}.", "## The study's finding", f.claim,
+    body = [f"**{verdict.outcome.capitalize()}.** {verdict.summary}.", "## The study's finding", f.claim,
             "## What was measured here", verdict.table, *verdict.notes]
     if failed:
         body.append(f"Trials that failed (their records are missing above): {', '.join(failed)}.")
