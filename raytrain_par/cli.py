@@ -9,6 +9,7 @@
     raytrain-par estimate EXPERIMENT.yaml [--workers 1,2,4,8] [--device-memory 80GiB] [--strategies ...]
                                                         per-worker memory of each strategy, before launching
     raytrain-par export RUN_DIR --out DIR               the plain model of a run's latest checkpoint
+    raytrain-par reproduce [FINDING ...] [--paper] [--list]   the study's findings, a page each
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ EXAMPLES = {
     "cluster": "raytrain-par cluster validate clusters/aws-a100.yaml --experiment experiments/paper/gpt2-medium-wikitext.yaml",
     "estimate": "raytrain-par estimate experiments/zero-memory.yaml --workers 1,2,4,8 --device-memory 80GiB",
     "export": "raytrain-par export results/quickstart --out gpt2-quickstart",
+    "reproduce": "raytrain-par reproduce identical-curves zero-memory",
 }
 
 
@@ -87,6 +89,16 @@ def _parser() -> argparse.ArgumentParser:
     exp = add("export", help="write the plain model of a run's latest checkpoint")
     exp.add_argument("run_dir", help="results directory of a run (results/<experiment>) or a checkpoint")
     exp.add_argument("--out", required=True, help="directory to write the model into")
+
+    rep = add("reproduce", help="run findings of the study and write a page per finding (held or not, with the "
+              "numbers); all of them when none is named")
+    rep.add_argument("findings", nargs="*", metavar="FINDING", help="e.g. identical-curves (see --list)")
+    rep.add_argument("--list", action="store_true", help="name the findings, what each runs and how long it took here")
+    rep.add_argument("--paper", action="store_true", help="the study's sizes (experiments/paper/), for a GPU cluster")
+    rep.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
+    rep.add_argument("--out", help="where the pages go (default: docs/results, docs/results/paper with --paper)")
+    rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a field of every finding's experiment, e.g. --set data.path=/data/wikitext-103")
     return p
 
 
@@ -120,6 +132,10 @@ def _dispatch(args) -> int:
         for f in write_report(args.results, args.out):
             print(f"written {f}")
         return 0
+    if args.command == "reproduce":
+        from .reproduce import main as reproduce
+
+        return reproduce(args)
     if args.command == "export":
         from .export import export
 

@@ -1,0 +1,78 @@
+"""Generated pages: what produced them (date, commit, machine, command), their tables, and the line
+under their title that marks them as output to regenerate, never to edit by hand.
+
+Used by `raytrain-par reproduce` and by the benchmark scripts (through benchmarks/common.py);
+tests/test_docs.py recognises a generated page by GENERATED_MARK.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+GENERATED_MARK = "Regenerate it with the same command; do not edit it."
+
+
+def machine() -> dict:
+    return {"cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "processor": platform.processor() or platform.machine()}
+
+
+def commit() -> str:
+    """The checked-out commit (with '+changes' when the tree differs from it), or 'unknown'."""
+    def git(*args):
+        # --no-optional-locks: reading the status never takes the lock another git command may hold
+        return subprocess.run(["git", "--no-optional-locks", *args], cwd=HERE, capture_output=True, text=True, timeout=10)
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode:
+            return "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("+changes" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def provenance(command: str | None = None) -> dict:
+    """When, where and how a figure was produced (the command: this process's, unless given)."""
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
+            "machine": machine(), "command": command or " ".join(shlex.quote(x) for x in ["python", *sys.argv])}
+
+
+def machine_text(m: dict) -> str:
+    where = m.get("cuda") or f"{m.get('cpu_count')} CPU cores ({m.get('processor')})"
+    return f"{where}, torch {m.get('torch')}, Python {m.get('python')}"
+
+
+def table_cells(head: list[str], rows: list[list]) -> tuple[list[list[str]], list[int]]:
+    """The rows as strings, and each column's width."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(head)]
+    return cells, widths
+
+
+def markdown_table(head: list[str], rows: list[list]) -> str:
+    cells, _ = table_cells(head, rows)
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells])
+
+
+def write_page(path: str | Path, title: str, body: str, command: str | None = None) -> Path:
+    """`body` (Markdown) under a title and the line saying how it was produced and not to edit it."""
+    p = provenance(command)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# {title}\n\n"
+                    f"Written by `{p['command']}` on {p['date']}, commit `{p['commit']}`, on "
+                    f"{machine_text(p['machine'])}. {GENERATED_MARK}\n\n"
+                    f"{body.strip()}\n")
+    return path
