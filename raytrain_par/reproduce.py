@@ -339,7 +339,7 @@ FINDINGS: dict[str, Finding] = {f.name: f for f in [
         Setting("strategies.yaml", ("train.max_steps=30", "train.eval_every_steps=10",
                                     sweep_override(grid={"strategy": DATA_PARALLEL}))),
         Setting("paper/strategies-gpt2-medium.yaml", (sweep_override(grid={"strategy": DATA_PARALLEL}),)),
-        judge_identical, report_figures=("convergence_epochs.png",), minutes_here=None),
+        judge_identical, report_figures=("convergence_epochs.png",), minutes_here=4.2),
     Finding(
         "scaling", "time falls with the number of workers",
         "With data parallelism (DDP and ZeRO), time per epoch and time to a target quality fall as workers are "
@@ -355,7 +355,7 @@ FINDINGS: dict[str, Finding] = {f.name: f for f in [
             "train.optimizer=adamw", "train.lr=3.0e-4",   # ZeRO splits tensors, which LAMB needs whole
             sweep_override(grid={"strategy.name": ["ddp", "zero-2"]}, cases=[
                 {"scaling.num_workers": n, "train.global_batch_size": 32 * n} for n in (1, 2, 4, 8, 16, 32, 64)]))),
-        judge_scaling, report_figures=("epoch_time.png", "convergence_wall_time.png"), minutes_here=None),
+        judge_scaling, report_figures=("epoch_time.png", "convergence_wall_time.png"), minutes_here=7.4),
     Finding(
         "staleness", "PipeDream's weight staleness slows convergence",
         "PipeDream's asynchronous pipeline updates weights with gradients computed on stale weights, and converges "
@@ -368,7 +368,7 @@ FINDINGS: dict[str, Finding] = {f.name: f for f in [
                                                 {"name": "pipeline", "stages": 2, "schedule": "1f1b"},
                                                 {"name": "pipedream", "stages": 2}]}))),
         Setting("paper/gpt2-medium-pipeline.yaml", ("sweep.max_concurrent_trials=1",)),
-        judge_staleness, report_figures=("convergence_epochs.png", "convergence_wall_time.png"), minutes_here=None),
+        judge_staleness, report_figures=("convergence_epochs.png", "convergence_wall_time.png"), minutes_here=7.9),
     Finding(
         "zero-memory", "ZeRO cuts memory per GPU by 42–66% against data parallel",
         "ZeRO reduces the memory each GPU holds by 42–66% against data parallel, at no cost in speed.",
@@ -378,7 +378,7 @@ FINDINGS: dict[str, Finding] = {f.name: f for f in [
                                      sweep_override(grid={"strategy.name": ["ddp", "zero-1", "zero-2", "zero-3", "fsdp"],
                                                           "scaling.num_workers": [2, 4]}))),
         Setting("paper/zero-memory.yaml", ()),
-        judge_zero_memory, report_figures=(), bars="zero", minutes_here=None),
+        judge_zero_memory, report_figures=(), bars="zero", minutes_here=9.9),
     Finding(
         "megatron-memory", "Megatron's memory against tensor-parallel degree is U-shaped",
         "Megatron's memory per GPU against the tensor-parallel degree is U-shaped (it falls, then rises as the "
@@ -395,7 +395,7 @@ FINDINGS: dict[str, Finding] = {f.name: f for f in [
             {"strategy": {"name": "megatron", "tensor_parallel": t}, "scaling.num_workers": n}
             for t, n in ((1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (4, 16))] + [
             {"strategy": {"name": "ddp"}, "scaling.num_workers": 16}]))),
-        judge_megatron, report_figures=(), bars="megatron", minutes_here=None),
+        judge_megatron, report_figures=(), bars="megatron", minutes_here=3.1),
 ]}
 
 
@@ -472,7 +472,8 @@ def check_cluster(planned: list[Planned], address: str | None) -> None:
     kinds: dict[tuple, int] = defaultdict(int)
     for r in alive:
         kinds[(r.get("CPU", 0), r.get("GPU", 0))] += 1
-    cluster = ClusterFile(Path(where), kind="running", max_workers=len(alive), node_types=[
+    # check_capacity names the cluster by its path: here the words (a Path would fold the // of ray://)
+    cluster = ClusterFile(where, kind="running", max_workers=len(alive), node_types=[
         NodeType(f"{n} node(s) of {c:g} CPUs, {g:g} GPUs", {"CPU": c, "GPU": g}, n, n) for (c, g), n in kinds.items()])
     have = "; ".join(t.name for t in cluster.node_types)
     for pl in planned:
