@@ -159,11 +159,10 @@ def ray_cluster(spec: ExperimentSpec, address: str | None = None, log=print):
 def preflight(spec: ExperimentSpec, address: str | None, log=print) -> None:
     """What can be refused before data is prepared or earlier results are moved aside."""
     place_results(spec, log)
-    if not ray.is_initialized():
-        if address:
-            check_reachable(address)
-        elif os.environ.get("RAY_ADDRESS"):
-            check_reachable(os.environ["RAY_ADDRESS"], "RAY_ADDRESS")
+    if address:  # also when this process is already connected: the address given must answer
+        check_reachable(address)
+    elif not ray.is_initialized() and os.environ.get("RAY_ADDRESS"):
+        check_reachable(os.environ["RAY_ADDRESS"], "RAY_ADDRESS")
 
 
 def _no_cluster(address: str, reason, name: str = "--address") -> UserError:

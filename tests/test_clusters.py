@@ -195,7 +195,7 @@ def test_output_dir_a_cluster_cannot_use_and_a_job_default(monkeypatch, tmp_path
     lines = []
     place_results(spec, log=lines.append)
     assert spec.results_dir == tmp_path / "job-results" / "results" / "quickstart"
-    assert str(spec.results_dir) in lines[0] and "shared" in lines[0]
+    assert str(spec.results_dir) in lines[0] and "every node mounts" in lines[0]
     monkeypatch.delenv("RAYTRAIN_PAR_JOB_RESULTS")
     spec = load_experiment(experiment_file("quickstart.yaml"), ["output_dir=results"])
     place_results(spec, log=lines.append)
