@@ -66,9 +66,11 @@ def markdown_table(head: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells])
 
 
-def write_page(path: str | Path, title: str, body: str, command: str | None = None) -> Path:
-    """`body` (Markdown) under a title and the line saying how it was produced and not to edit it."""
-    p = provenance(command)
+def write_page(path: str | Path, title: str, body: str, command: str | None = None, made: dict | None = None) -> Path:
+    """`body` (Markdown) under a title and the line saying how it was produced and not to edit it. `made`:
+    the provenance taken when the run started (else now), so that the page's own files, rewritten by the
+    run, do not count as changes to the commit it names."""
+    p = made or provenance(command)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"# {title}\n\n"
