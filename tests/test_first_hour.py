@@ -32,7 +32,13 @@ SECOND_CLUSTER_LINES = [r"\(PlacementGroupCleaner pid=\d+\)"]
 
 def other_ray_clusters() -> bool:
     """Whether a Ray cluster (a GCS server) already runs on this machine."""
-    return subprocess.run(["pgrep", "-f", "gcs_server"], capture_output=True).returncode == 0
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"gcs_server" in (entry / "cmdline").read_bytes():
+                return True
+        except OSError:
+            pass
+    return False
 
 
 def readme_commands() -> list[str]:
