@@ -167,10 +167,6 @@ CHECKPOINTING = lm.CHECKPOINTING
 # the LM head. A decoder layer needs the rotary position embeddings and the causal mask the model
 # would give it: each rebuilds them from its input (positions 0..T-1; no packed sequences).
 
-def _positions(x: torch.Tensor) -> torch.Tensor:
-    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-
-
 class Embeddings(nn.Module):
     def __init__(self, embed_tokens):
         super().__init__()
@@ -192,21 +188,12 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        positions = _positions(hidden)
+        positions = gpt2.positions(hidden)
         make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
         # Positions are 0..T-1 (no packed sequences): the mask need not look for them.
         mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=None)
         rotary = self.rotary_emb(hidden, position_ids=positions)
         return self.layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
-
-
-class Head(nn.Module):
-    def __init__(self, norm, lm_head):
-        super().__init__()
-        self.norm, self.lm_head = norm, lm_head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
@@ -215,4 +202,4 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
     base = model.model
     return [Embeddings(base.embed_tokens),
             *(DecoderLayer(layer, base.rotary_emb, model.config, i) for i, layer in enumerate(base.layers)),
-            Head(base.norm, model.lm_head)]
+            gpt2.Head(base.norm, model.lm_head)]  # final norm + LM head, as GPT-2's

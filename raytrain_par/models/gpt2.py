@@ -144,7 +144,7 @@ def _local_heads(model: nn.Module, t: int) -> None:
 # block, and the final norm with the LM head. Each layer holds the model's own modules (so parameter
 # names map back to the plain model's) and maps one tensor to one tensor, as pipeline stages need.
 
-def _positions(x: torch.Tensor) -> torch.Tensor:
+def positions(x: torch.Tensor) -> torch.Tensor:
     return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
 
 
@@ -156,7 +156,7 @@ class Embeddings(nn.Module):
         self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.wte(input_ids) + self.wpe(_positions(input_ids)))
+        return self.drop(self.wte(input_ids) + self.wpe(positions(input_ids)))
 
 
 class Block(nn.Module):
