@@ -106,21 +106,46 @@ def start_local_cluster(num_cpus: int, env: dict[str, str]) -> None:
     on only while the cluster starts, so that its processes inherit it and nothing else does.
     The dashboard, which serves the state API Ray Train cleans up stopped runs with, listens on
     127.0.0.1 as well.
+
+    Ray Train's placement-group cleaner asks that state API without an address, so with a second
+    Ray cluster on the machine it would find the wrong one (or none) and print a traceback. The
+    cluster's GCS therefore starts on a port chosen here, and its workers get RAY_ADDRESS naming
+    it; this process's own environment is left as it was.
     """
     from ray._private import ray_constants
 
-    var = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
-    saved_env, saved_flag = os.environ.get(var), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[var], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    port = _free_port()
+    env = {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                 runtime_env={"env_vars": env}, log_to_driver=True, logging_level="WARNING")
+        with _environ({ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR: "0",
+                       ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE: str(port)}):
+            ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                     runtime_env={"env_vars": env}, log_to_driver=True, logging_level="WARNING")
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        if saved_env is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = saved_env
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def _environ(values: dict[str, str]):
+    """These environment variables set for the block only (child processes started in it keep them)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextmanager
