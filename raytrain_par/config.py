@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -544,7 +545,15 @@ def _validate_elastic(spec: ExperimentSpec) -> None:
         counts = ", ".join(map(str, problems))
         why = f"on {first} workers" + ("" if e.field == "scaling.num_workers" else f", {e.field} = {e.value!r}")
         why += f": {e.problem}"
-        if best and len(best) > 1:
+        fields = {p.field for p in problems.values()}
+        if fields == {"train.global_batch_size"}:  # the layout suits every count; the batch does not split
+            per_step = math.lcm(*(spec.strategy.options.data_parallel_size(n) for n in s.worker_counts))
+            per_step *= t.gradient_accumulation_steps
+            fix = (f"use a global batch every count splits, a multiple of {per_step} (e.g. "
+                   f"{-(-t.global_batch_size // per_step) * per_step})")
+            if best and len(best) > 1:
+                fix += f", or a range whose every count works, e.g. [{best[0]}, {best[-1]}]"
+        elif best and len(best) > 1:
             fix = f"use a range whose every count works, e.g. [{best[0]}, {best[-1]}]"
         elif valid:
             fix = (f"only {', '.join(map(str, valid))} of these work, and Ray Train may choose any count in the "

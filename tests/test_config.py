@@ -70,8 +70,8 @@ BAD = [
     ("scaling.num_workers", [0, 2], "scaling.num_workers", "MIN must be >= 1"),
     ("scaling.num_workers", [1, 2, 4], "scaling.num_workers", "two integers [MIN, MAX]"),
     ("scaling.num_workers", [1, 3], "scaling.num_workers", "3 cannot (on 3 workers, train.global_batch_size = 32: "
-     "does not split evenly over 3 data-parallel workers x 1 accumulation steps)\n  fix: use a range whose every "
-     "count works, e.g. [1, 2]"),
+     "does not split evenly over 3 data-parallel workers x 1 accumulation steps)\n  fix: use a global batch every "
+     "count splits, a multiple of 6 (e.g. 36), or a range whose every count works, e.g. [1, 2]"),
     ("scaling.backend", "nccl", "scaling.backend", "NCCL needs GPUs"),
     ("target.metric", "val_bleu", "target.metric", "does not produce"),
     ("target.value", -5, "target.value", "must be > 0"),
