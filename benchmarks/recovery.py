@@ -97,14 +97,18 @@ def start_node(cpus: int) -> subprocess.Popen:
     deadline = time.time() + 120
     while len([n for n in ray.nodes() if n["Alive"]]) < 2:
         if node.poll() is not None or time.time() > deadline:
-            raise RuntimeError("the second Ray node did not join the cluster")
+            stop_node(node)
+            raise RuntimeError("the second Ray node did not join the cluster within 120 s")
         time.sleep(0.2)
     return node
 
 
 def stop_node(node: subprocess.Popen) -> None:
     """Kill the node's raylet and the workers on it at once (its own process group), as a lost machine."""
-    os.killpg(node.pid, signal.SIGKILL)
+    try:
+        os.killpg(node.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it has ended already
     node.wait()
 
 
