@@ -6,6 +6,15 @@ worker is killed with SIGKILL from outside once the run has passed `--kill-after
 replaces the worker group and the loop resumes from the latest intact checkpoint.
 
     python benchmarks/recovery.py [--strategies ddp,zero-3,megatron,pipeline] [--steps 16]
+    python benchmarks/recovery.py --elastic [--steps 40]
+
+`--elastic` measures an elastic run (`scaling.num_workers: [1, 2]`) on a two-node cluster on this
+machine: the embedded head holds one worker, a second Ray node (`ray start --address`) the other.
+Once the run has passed `--kill-after` steps the second node is stopped (its raylet and workers
+killed, as a machine that vanishes); training continues on one worker; then the node is started
+again and the run grows back to two. It prints the time from the node loss to training resumed, the
+steps redone, the time from the node's return to training on two workers, and whether the run ended
+with the final validation loss of an uninterrupted fixed run of 2 workers.
 
 Strategies are named as under `strategy.name`; the model-parallel ones run with 2-way splits
 (`megatron`: tensor_parallel 2, `pipeline`: 2 stages with the 1F1B schedule).
@@ -16,6 +25,8 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -73,17 +84,110 @@ def measure(strategy: str, a, work: Path) -> dict:
             "final_step": records[-1]["step"]}
 
 
+def start_node(cpus: int) -> subprocess.Popen:
+    """A second Ray node on this machine, joined to the running cluster. The embedded cluster listens on
+    the loopback address only (single-machine mode), which Ray allows other nodes to join when asked."""
+    from ray._private import ray_constants
+
+    env = {**os.environ, ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR: "1", "RAY_AUTH_MODE": "token"}
+    node = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
+                             f"--address={ray.get_runtime_context().gcs_address}", "--node-ip-address=127.0.0.1",
+                             f"--num-cpus={cpus}"], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+        if node.poll() is not None or time.time() > deadline:
+            stop_node(node)
+            raise RuntimeError("the second Ray node did not join the cluster within 120 s")
+        time.sleep(0.2)
+    return node
+
+
+def stop_node(node: subprocess.Popen) -> None:
+    """Kill the node's raylet and the workers on it at once (its own process group), as a lost machine."""
+    try:
+        os.killpg(node.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it has ended already
+    node.wait()
+
+
+def _wait_for(metrics: Path, thread: threading.Thread, test) -> list[dict]:
+    while thread.is_alive():
+        found = [r for r in read_records(metrics) if test(r)] if metrics.exists() else []
+        if found:
+            return found
+        time.sleep(0.1)
+    return []
+
+
+def measure_elastic(a, work: Path) -> dict:
+    common = [f"train.max_steps={a.steps}", "train.eval_every_steps=2", "train.checkpoint_every_evals=1",
+              "train.lr_schedule=constant", "train.warmup_steps=0", "train.grad_clip=0.0", "data.max_val_samples=16",
+              f"scaling.cpus_per_worker={a.node_cpus}"]
+    fixed = load_experiment(a.experiment, [*common, "scaling.num_workers=2", f"output_dir={work / 'fixed'}"])
+    spec = load_experiment(a.experiment, [*common, "scaling.num_workers=[1, 2]", "scaling.resize_interval_s=2",
+                                          "train.max_failures=1", f"output_dir={work / 'elastic'}"])
+    node = start_node(a.node_cpus)
+    try:
+        reference = run_experiment(fixed, log=lambda *_: None).records
+        done = {}
+        thread = threading.Thread(target=lambda: done.update(result=run_experiment(spec, log=lambda *_: None)))
+        thread.start()
+        metrics = work / "elastic" / spec.name / "metrics.parquet"
+        before = _wait_for(metrics, thread, lambda r: r["step"] >= a.kill_after and r["num_workers"] == 2)
+        if not before:
+            raise RuntimeError(f"the elastic run ended before training {a.kill_after} steps on 2 workers")
+        t_loss = time.time()
+        stop_node(node)
+        shrunk = _wait_for(metrics, thread, lambda r: r["num_workers"] == 1 and r["timestamp"] > t_loss)
+        t_back = time.time()
+        node = start_node(a.node_cpus)
+        grown = _wait_for(metrics, thread, lambda r: r["num_workers"] == 2 and r["timestamp"] > t_back)
+        thread.join()
+    finally:
+        if node.poll() is None:
+            stop_node(node)
+    records = done["result"].records
+    last = max(before, key=lambda r: r["step"])
+    resumed = min((r for r in records if r.get("resumed_from_step") is not None and r["started_at"] > t_loss),
+                  key=lambda r: r["step"])
+    at_loss = last["step"] + int((t_loss - last["timestamp"]) / (last["step_time_s"] or 1))
+    return {"strategy": "ddp, elastic [1, 2]", "node_lost_at_step": at_loss,
+            "resumed_from_step": resumed["resumed_from_step"],
+            "steps_redone": max(0, at_loss - resumed["resumed_from_step"]),
+            "recovery_s": resumed["started_at"] - t_loss, "shrunk": bool(shrunk),
+            "grow_s": (min(r["started_at"] for r in grown) - t_back) if grown else None,
+            "workers": [r["num_workers"] for r in records], "completed": done["result"].error is None,
+            "steps_match": [r["step"] for r in records] == [r["step"] for r in reference],
+            "final_val_loss": records[-1]["val_loss"], "fixed_final_val_loss": reference[-1]["val_loss"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experiment", default=str(HERE.parent / "experiments" / "quickstart.yaml"))
     p.add_argument("--strategies", default="ddp,zero-3,megatron,pipeline",
                    help=f"comma-separated, of: {', '.join(STRATEGIES)}")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, help="steps of each run (default 16; --elastic: 40)")
     p.add_argument("--kill-after", type=int, default=4)
     p.add_argument("--checkpoint-every", type=int, default=2, help="evaluations (every 2 steps) per checkpoint")
+    p.add_argument("--elastic", action="store_true", help="measure an elastic run losing a node and regaining it")
+    p.add_argument("--node-cpus", type=int, default=2, help="--elastic: CPUs of each node, and of each worker")
     p.add_argument("--out")
     a = p.parse_args()
+    a.steps = a.steps or (40 if a.elastic else 16)
+    if a.elastic:
+        # The head holds one worker (and a CPU for Ray Data); the second node the other.
+        start_local_cluster(num_cpus=a.node_cpus + 1, env=worker_env())
+        r = measure_elastic(a, Path(tempfile.mkdtemp(prefix="raytrain-par-recovery-")))
+        print_table(["run", "node lost at step", "resumed from", "steps redone", "loss -> training (s)",
+                     "return -> 2 workers (s)", "workers per evaluation", "final val_loss (fixed run)"],
+                    [[r["strategy"], r["node_lost_at_step"], r["resumed_from_step"], r["steps_redone"],
+                      f"{r['recovery_s']:.1f}", "-" if r["grow_s"] is None else f"{r['grow_s']:.1f}",
+                      " ".join(map(str, r["workers"])), f"{r['final_val_loss']:.6f} ({r['fixed_final_val_loss']:.6f})"]])
+        print(f"written {write_json('recovery-elastic', {'rows': [r], 'steps': a.steps}, a.out)}")
+        return
     unknown = [s for s in a.strategies.split(",") if s not in STRATEGIES]
     if unknown:
         p.error(f"--strategies: unknown {unknown[0]!r}; use some of {', '.join(STRATEGIES)}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -106,15 +107,53 @@ class StrategySpec:
 
 @dataclass
 class ScalingSpec:
+    """`scaling:`. `num_workers: N` is a fixed group of N workers; `num_workers: [MIN, MAX]` an elastic
+    one, as large as the cluster allows within the range (Ray Train's elastic scaling). `num_workers`
+    holds MAX either way, `min_workers` MIN (None: fixed)."""
+
     num_workers: int = 1
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 1.0
     backend: Optional[Literal["gloo", "nccl"]] = None  # default: nccl with GPUs, gloo without
+    # elastic runs: seconds between two looks at the cluster for a larger (or smaller) worker group
+    resize_interval_s: float = 60.0
+    min_workers: Optional[int] = field(default=None, init=False)
+
+    @classmethod
+    def from_raw(cls, raw, path: str = "scaling") -> "ScalingSpec":
+        workers = raw.get("num_workers") if isinstance(raw, dict) else None
+        if not isinstance(workers, list):
+            return _from_mapping(cls, raw, path)
+        ok = len(workers) == 2 and all(isinstance(w, int) and not isinstance(w, bool) for w in workers)
+        _check(ok, f"{path}.num_workers", workers, "an elastic range is two integers [MIN, MAX]",
+               "write e.g. [1, 4], or one integer for a fixed number of workers")
+        spec = _from_mapping(cls, {**raw, "num_workers": workers[1]}, path)
+        spec.min_workers = workers[0]
+        return spec
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None
+
+    @property
+    def worker_counts(self) -> range:
+        """Every number of workers the run may train on."""
+        return range(self.min_workers if self.elastic else self.num_workers, self.num_workers + 1)
+
+    def at(self, num_workers: int) -> "ScalingSpec":
+        """A fixed group of `num_workers` (what an elastic run's worker group is at a given time)."""
+        return dataclasses.replace(self, num_workers=num_workers)
 
     @property
     def effective_backend(self) -> str:
         return self.backend or ("nccl" if self.use_gpu else "gloo")
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        if self.elastic:
+            d["num_workers"] = [self.min_workers, self.num_workers]
+        return d
 
 
 @dataclass
@@ -148,6 +187,9 @@ class TrainSpec:
     keep_checkpoints: int = 2
     stop_at_target: bool = False  # end the run when the target is met
     max_failures: int = 0  # worker failures to recover from (from the latest checkpoint)
+    # nodes lost to preemption (drained by the cloud or Kubernetes before they go) to recover from,
+    # counted apart from max_failures; -1: any number
+    max_preemptions: int = -1
 
 
 @dataclass
@@ -204,6 +246,7 @@ class ExperimentSpec:
         d = dataclasses.asdict(self)
         d["strategy"] = self.strategy.to_dict()
         d["model"] = self.model.to_dict()
+        d["scaling"] = self.scaling.to_dict()
         return d
 
 
@@ -389,6 +432,11 @@ def validate(spec: ExperimentSpec) -> None:
     if d.max_val_samples is not None:
         _check(d.max_val_samples >= 1, "data.max_val_samples", d.max_val_samples, "must be >= 1", "remove it for all rows")
 
+    if s.elastic:  # checked first: everything else depends on the counts being a range
+        _check(s.min_workers <= s.num_workers, "scaling.num_workers", [s.min_workers, s.num_workers],
+               f"MIN {s.min_workers} is greater than MAX {s.num_workers}", f"write [{max(s.num_workers, 1)}, {s.min_workers}]")
+        _check(s.min_workers >= 1, "scaling.num_workers", [s.min_workers, s.num_workers], "MIN must be >= 1",
+               f"use e.g. [1, {s.num_workers}]")
     _check(s.num_workers >= 1, "scaling.num_workers", s.num_workers, "must be >= 1", "use e.g. 2")
     _check(s.cpus_per_worker > 0, "scaling.cpus_per_worker", s.cpus_per_worker, "must be > 0", "use e.g. 1")
     if s.use_gpu:
@@ -425,21 +473,14 @@ def validate(spec: ExperimentSpec) -> None:
     _check(t.activation_checkpointing in ("none", *modes), "train.activation_checkpointing",
            t.activation_checkpointing, f"{m.name} has no self-attention to recompute alone",
            f"use {' or '.join(modes)} (recomputes whole layers in backward), or none")
+    _check(t.max_preemptions >= -1, "train.max_preemptions", t.max_preemptions,
+           "must be >= 0 (or -1: recover from any number)", "use -1, or e.g. 10")
     _check(t.max_failures >= -1, "train.max_failures", t.max_failures, "must be >= 0 (or -1: retry forever)", "use e.g. 3")
 
-    spec.strategy.options.validate(spec, lambda *a: _check(False, *a))
-    dp = spec.data_parallel_size
-    per_step = dp * t.gradient_accumulation_steps
-    if t.global_batch_size % per_step:
-        lo = max(per_step, t.global_batch_size // per_step * per_step)
-        raise ConfigError("train.global_batch_size", t.global_batch_size,
-                          f"does not split evenly over {dp} data-parallel workers x {t.gradient_accumulation_steps} "
-                          "accumulation steps",
-                          f"use a multiple of {per_step}, e.g. {lo} or {lo + per_step}")
-    if d.effective_loader == "stream":
-        _check(dp == s.num_workers, "data.loader", "stream",
-               f"streaming splits data over all {s.num_workers} workers, but {spec.strategy.name} reads "
-               f"{dp} distinct batches", "use data.loader: memory")
+    if s.elastic:
+        _validate_elastic(spec)
+    else:
+        _validate_layout(spec)
 
     if spec.target is not None:
         metrics = models.task_metrics(m.name)
@@ -450,6 +491,79 @@ def validate(spec: ExperimentSpec) -> None:
                    "use e.g. 0.85")
         else:
             _check(spec.target.value > 0, "target.value", spec.target.value, "must be > 0", "use e.g. 200")
+
+
+def _validate_layout(spec: ExperimentSpec) -> None:
+    """What depends on the number of workers: the strategy's layout and the global batch's split."""
+    t, s = spec.train, spec.scaling
+    spec.strategy.options.validate(spec, lambda *a: _check(False, *a))
+    dp = spec.data_parallel_size
+    per_step = dp * t.gradient_accumulation_steps
+    if t.global_batch_size % per_step:
+        lo = max(per_step, t.global_batch_size // per_step * per_step)
+        raise ConfigError("train.global_batch_size", t.global_batch_size,
+                          f"does not split evenly over {dp} data-parallel workers x {t.gradient_accumulation_steps} "
+                          "accumulation steps",
+                          f"use a multiple of {per_step}, e.g. {lo} or {lo + per_step}")
+    if spec.data.effective_loader == "stream":
+        _check(dp == s.num_workers, "data.loader", "stream",
+               f"streaming splits data over all {s.num_workers} workers, but {spec.strategy.name} reads "
+               f"{dp} distinct batches", "use data.loader: memory")
+
+
+def _validate_elastic(spec: ExperimentSpec) -> None:
+    """An elastic range: Ray Train may run it on any count in [MIN, MAX] (as many workers as the cluster
+    has room for), and each resize resumes the latest checkpoint on the new count."""
+    s, t, name = spec.scaling, spec.train, spec.strategy.name
+    text = [s.min_workers, s.num_workers]
+    _check(s.resize_interval_s >= 0, "scaling.resize_interval_s", s.resize_interval_s, "must be >= 0",
+           "use e.g. 60 (Ray Train's default)")
+    options = spec.strategy.options
+    _check(getattr(options, "checkpoints_any_workers", False) or getattr(options, "checkpoints_reshard", False),
+           "scaling.num_workers", text, f"{name} checkpoints resume only on the number of workers that wrote them, "
+           "and a resize resumes the latest checkpoint on another number", "use a fixed number of workers")
+    _check(t.checkpoint_every_evals >= 1, "train.checkpoint_every_evals", t.checkpoint_every_evals,
+           "an elastic run resizes by restarting from its latest checkpoint, and this run writes none",
+           "use 1 (a checkpoint at every evaluation)")
+    _check(spec.data.effective_loader == "memory", "data.loader", spec.data.effective_loader,
+           "the stream loader gives each worker its own part of the training rows, so a resize would not "
+           "continue the same batches", "use data.loader: memory (the same global batches for any worker count)")
+    problems: dict[int, ConfigError] = {}
+    for n in s.worker_counts:
+        try:
+            _validate_layout(dataclasses.replace(spec, scaling=s.at(n)))
+        except ConfigError as e:
+            problems[n] = e
+    if problems:
+        valid = [n for n in s.worker_counts if n not in problems]
+        runs, run = [], []  # the ranges of consecutive valid counts, longest first
+        for n in valid:
+            run = run + [n] if run and run[-1] == n - 1 else [n]
+            runs.append(run)
+        best = max(runs, key=len, default=None)
+        first, e = next(iter(problems.items()))
+        counts = ", ".join(map(str, problems))
+        why = f"on {first} workers" + ("" if e.field == "scaling.num_workers" else f", {e.field} = {e.value!r}")
+        why += f": {e.problem}"
+        fields = {p.field for p in problems.values()}
+        if fields == {"train.global_batch_size"}:  # the layout suits every count; the batch does not split
+            per_step = math.lcm(*(spec.strategy.options.data_parallel_size(n) for n in s.worker_counts))
+            per_step *= t.gradient_accumulation_steps
+            fix = (f"use a global batch every count splits, a multiple of {per_step} (e.g. "
+                   f"{-(-t.global_batch_size // per_step) * per_step})")
+            if best and len(best) > 1:
+                fix += f", or a range whose every count works, e.g. [{best[0]}, {best[-1]}]"
+        elif best and len(best) > 1:
+            fix = f"use a range whose every count works, e.g. [{best[0]}, {best[-1]}]"
+        elif valid:
+            fix = (f"only {', '.join(map(str, valid))} of these work, and Ray Train may choose any count in the "
+                   f"range: use a fixed number of workers (e.g. {valid[-1]})")
+            if e.field != "scaling.num_workers":
+                fix += f", or change {e.field} ({e.fix})"
+        else:
+            fix = e.fix
+        raise ConfigError("scaling.num_workers", text, f"Ray Train may run it on any count in the range, and "
+                          f"{counts} cannot ({why})", fix)
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:

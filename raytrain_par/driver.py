@@ -350,29 +350,41 @@ def ray_datasets(spec: ExperimentSpec, info: DatasetInfo) -> tuple[dict, DataCon
     return datasets, DataConfig(datasets_to_split=split)
 
 
-def make_trainer(spec: ExperimentSpec, info: DatasetInfo, storage: Path, name: str = RUN_SUBDIR, trial: str = "run",
-                 callbacks: list | None = None) -> TorchTrainer:
-    s, t = spec.scaling, spec.train
+def scaling_config(s) -> ScalingConfig:
+    """A fixed worker group, or an elastic one (Ray Train chooses its size in [MIN, MAX] from the
+    cluster's resources, and looks again every resize_interval_s)."""
     resources = {"CPU": s.cpus_per_worker}
     if s.use_gpu:
         resources["GPU"] = s.gpus_per_worker
+    return ScalingConfig(num_workers=(s.min_workers, s.num_workers) if s.elastic else s.num_workers,
+                         elastic_resize_monitor_interval_s=s.resize_interval_s, use_gpu=s.use_gpu,
+                         resources_per_worker=resources)
+
+
+def make_trainer(spec: ExperimentSpec, info: DatasetInfo, storage: Path, name: str = RUN_SUBDIR, trial: str = "run",
+                 callbacks: list | None = None) -> TorchTrainer:
+    t = spec.train
     datasets, data_config = ray_datasets(spec, info)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"experiment": spec.to_dict(), "data": info.to_json(), "trial": trial},
-        torch_config=TorchConfig(backend=s.effective_backend),
-        scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
+        torch_config=TorchConfig(backend=spec.scaling.effective_backend),
+        scaling_config=scaling_config(spec.scaling),
         run_config=RunConfig(
             name=name,
             storage_path=str(storage),
             checkpoint_config=CheckpointConfig(num_to_keep=t.keep_checkpoints),
-            failure_config=FailureConfig(max_failures=t.max_failures),
+            failure_config=FailureConfig(max_failures=t.max_failures, max_preemption_failures=t.max_preemptions),
             callbacks=callbacks or [],
             logging_config=LoggingConfig(log_level=os.environ.get("RAYTRAIN_PAR_RAY_LOG_LEVEL", "WARNING")),
         ),
         datasets=datasets,
         dataset_config=data_config,
     )
+
+
+def _workers_text(s) -> str:
+    return f"{s.min_workers} to {s.num_workers} (elastic)" if s.elastic else str(s.num_workers)
 
 
 def run_experiment(spec: ExperimentSpec, address: str | None = None, resume: bool = False, log=print) -> RunResult:
@@ -383,7 +395,7 @@ def run_experiment(spec: ExperimentSpec, address: str | None = None, resume: boo
     results = prepare_results_dir(spec, resume, log=log)
     metrics_path = results / "metrics.parquet"
     log(f"{spec.name}: {spec.model.name} on {spec.data.name}, strategy {spec.strategy.name}, "
-        f"{spec.scaling.num_workers} worker(s), global batch {spec.train.global_batch_size} "
+        f"{_workers_text(spec.scaling)} worker(s), global batch {spec.train.global_batch_size} "
         f"({spec.per_worker_batch} per data-parallel worker); results in {results}")
     t0 = time.perf_counter()
     error = None

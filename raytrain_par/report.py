@@ -21,7 +21,7 @@ matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .errors import UserError  # noqa: E402
-from .metrics.efficiency import rank, summarize  # noqa: E402
+from .metrics.efficiency import rank, summarize, workers_text  # noqa: E402
 from .metrics.records import read_records  # noqa: E402
 
 LABELS = {"val_loss": "validation loss", "val_perplexity": "validation perplexity",
@@ -85,6 +85,8 @@ def _scaling(rows, series, ylabel, title, path):
     colors = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4)
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
+        if r.get("min_workers") not in (None, r["num_workers"]):
+            continue  # an elastic trial that changed size is no one point of a curve over worker counts
         groups[r["strategy"] + (f", batch {r['global_batch_size']}" if len(batches) > 1 else "")].append(r)
     for label, group in sorted(groups.items()):
         color = next(colors)
@@ -124,7 +126,7 @@ def _markdown_table(rows: list[dict], metric: str) -> str:
              "|" + "---|" * 16]
     for i, r in enumerate(rows):
         lines.append("| " + " | ".join([
-            str(i + 1), r["trial"], r["strategy"], str(r["num_workers"]), str(r["global_batch_size"]),
+            str(i + 1), r["trial"], r["strategy"], workers_text(r), str(r["global_batch_size"]),
             f(r.get("lr"), ".3g"), f(r.get("time_to_target_s"), ".1f"), f(r.get("epochs_to_target"), ".2f"),
             f(r.get("best_metric"), ".4g"), f(r.get("mean_step_time_s"), ".3f"), f(r.get("throughput"), ".1f"),
             f(_pct(r.get("mfu")), ".1f"), f(_pct(r.get("comm_fraction")), ".1f"), f(_mib(r.get("mem_peak_bytes")), ".0f"), f(_mib(r.get("mem_model_state_bytes")), ".1f"),

@@ -23,7 +23,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from . import data as data_sets
 from .config import ExperimentSpec
 from .driver import make_trainer, preflight, prepare_results_dir, ray_cluster
-from .metrics.efficiency import rank, summarize
+from .metrics.efficiency import rank, summarize, workers_text
 from .metrics.records import RecordWriter, merge, progress_line, read_records, write_table
 from .sweep import Plan, describe, plan
 from .worker import steps_per_epoch
@@ -192,7 +192,7 @@ def trials_table(rows: list[dict]) -> str:
     metric = next((r["metric"] for r in rows if r.get("metric")), "metric")
     head = ["#", "trial", "strategy", "workers", "batch", "lr", "to_target_s", "to_target_ep", f"best_{metric}",
             "s/step", "samples/s", "peak_MiB", "status"]
-    body = [[str(i + 1), r["trial"], r["strategy"], str(r["num_workers"]), str(r["global_batch_size"]),
+    body = [[str(i + 1), r["trial"], r["strategy"], workers_text(r), str(r["global_batch_size"]),
              f(r.get("lr"), ".3g"), f(r.get("time_to_target_s"), ".1f"), f(r.get("epochs_to_target"), ".2f"),
              f(r.get("best_metric"), ".4g"), f(r.get("mean_step_time_s"), ".3f"), f(r.get("throughput"), ".1f"),
              f(None if r.get("mem_peak_bytes") is None else r["mem_peak_bytes"] / 2**20, ".0f"), r["status"]]

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -382,6 +382,9 @@ def train_loop_per_worker(config: dict) -> None:
     context = ray.train.get_context()
     ctx = DistContext(context.get_world_rank(), context.get_world_size(), context.get_local_rank(),
                       ray.train.torch.get_device())
+    # An elastic run's worker group is as large as Ray Train could make it this time: the data-parallel
+    # size, each worker's rows and the records follow the live count, not the configured range.
+    spec = replace(spec, scaling=spec.scaling.at(ctx.world_size))
     val = _read_shard("val", info)
     if spec.data.effective_loader == "memory":
         train_loader = memory_train_loader(spec, _read_shard("train", info))

@@ -44,10 +44,36 @@ def test_cluster_file_validates_and_autoscales(path):
     else:
         assert raw["idle_timeout_minutes"] > 0
     if "local" not in path.stem:  # the GPU clusters: 8 GPUs a node, Ray's current GPU image
-        assert [t.resources["GPU"] for t in workers] == [8]
+        assert {t.resources["GPU"] for t in workers} == {8}
         if not cluster.kind.startswith("KubeRay"):
             assert raw["docker"]["image"] == GPU_IMAGE
             assert any("torch==" in c for c in raw["setup_commands"])  # torch pinned, never resolved freely
+
+
+# Where a cluster file asks for spot (preemptible) capacity, by its kind
+SPOT = {"aws-a100": ("gpu_a100_spot", lambda c: c["InstanceMarketOptions"]["MarketType"] == "spot"),
+        "aws-v100": ("gpu_v100_spot", lambda c: c["InstanceMarketOptions"]["MarketType"] == "spot"),
+        "gcp-a100": ("gpu_a100_spot", lambda c: c["scheduling"]["provisioningModel"] == "SPOT"),
+        "kuberay-raycluster": ("gpu-a100-spot", lambda c: c["nodeSelector"] == {"cloud.google.com/gke-spot": "true"}
+                               and any(t["key"] == "cloud.google.com/gke-spot" for t in c["tolerations"]))}
+
+
+@pytest.mark.parametrize("stem", SPOT)
+def test_gpu_clusters_offer_spot_nodes_of_the_same_machine(stem):
+    name, is_spot = SPOT[stem]
+    path = REPO / "clusters" / f"{stem}.yaml"
+    types = {t.name: t for t in check_file(path).node_types}
+    on_demand = types[name.removesuffix("_spot").removesuffix("-spot")]
+    assert types[name].resources == on_demand.resources and types[name].min_workers == 0
+    raw = yaml.safe_load(path.read_text())
+    if stem.startswith("kuberay"):
+        groups = {g["groupName"]: g["template"]["spec"] for g in raw["spec"]["workerGroupSpecs"]}
+        assert is_spot(groups[name]) and "nodeSelector" not in groups[on_demand.name]
+    else:
+        node_types = raw["available_node_types"]
+        assert is_spot(node_types[name]["node_config"])
+        assert set(node_types[on_demand.name]["node_config"]).isdisjoint({"InstanceMarketOptions"})
+        assert "provisioningModel" not in node_types[on_demand.name]["node_config"].get("scheduling", {})
 
 
 def test_kuberay_image_is_built_from_the_ray_gpu_image():

@@ -66,6 +66,12 @@ BAD = [
     ("data.seq_len", 1, "data.seq_len", "must be >= 2"),
     ("data.loader", "disk", "data.loader", "'memory', 'stream'"),
     ("scaling.num_workers", 0, "scaling.num_workers", "must be >= 1"),
+    ("scaling.num_workers", [3, 1], "scaling.num_workers", "MIN 3 is greater than MAX 1\n  fix: write [1, 3]"),
+    ("scaling.num_workers", [0, 2], "scaling.num_workers", "MIN must be >= 1"),
+    ("scaling.num_workers", [1, 2, 4], "scaling.num_workers", "two integers [MIN, MAX]"),
+    ("scaling.num_workers", [1, 3], "scaling.num_workers", "3 cannot (on 3 workers, train.global_batch_size = 32: "
+     "does not split evenly over 3 data-parallel workers x 1 accumulation steps)\n  fix: use a global batch every "
+     "count splits, a multiple of 6 (e.g. 36), or a range whose every count works, e.g. [1, 2]"),
     ("scaling.backend", "nccl", "scaling.backend", "NCCL needs GPUs"),
     ("target.metric", "val_bleu", "target.metric", "does not produce"),
     ("target.value", -5, "target.value", "must be > 0"),
@@ -83,6 +89,39 @@ def test_bad_config_is_refused_with_field_value_and_fix(path, value, field, word
     assert "fix:" in str(e)
     if field == path and value is not DELETE:
         assert e.value == value and f"{field} = {value!r}" in str(e)
+
+
+@pytest.mark.parametrize("change,field,words", [
+    # Ray Train may choose 3 workers, which do not make whole pipelines or tensor-parallel groups of 2
+    ({"strategy": {"name": "pipeline", "stages": 2}}, "scaling.num_workers",
+     "3 cannot (on 3 workers: does not split into pipelines of 2 stages"),
+    ({"strategy": {"name": "megatron", "tensor_parallel": 2}}, "scaling.num_workers",
+     "only 2, 4 of these work, and Ray Train may choose any count in the range: use a fixed number of workers"),
+    ({"train": {**BASE["train"], "checkpoint_every_evals": 0}}, "train.checkpoint_every_evals",
+     "resizes by restarting from its latest checkpoint"),
+    ({"data": {"name": "kjv", "loader": "stream"}}, "data.loader", "would not continue the same batches"),
+    ({"scaling": {"num_workers": [2, 4], "resize_interval_s": -1}}, "scaling.resize_interval_s", "must be >= 0"),
+])
+def test_bad_elastic_range_is_refused(change, field, words):
+    raw = {**BASE, "scaling": {"num_workers": [2, 4]}, **change}
+    with pytest.raises(ConfigError) as err:
+        config.parse(raw)
+    assert err.value.field == field and words in str(err.value) and "fix:" in str(err.value)
+
+
+def test_elastic_range_round_trips_and_reaches_ray():
+    spec = config.parse({**BASE, "scaling": {"num_workers": [1, 4], "resize_interval_s": 5},
+                         "train": {**BASE["train"], "global_batch_size": 48}})  # splits over 1, 2, 3 and 4
+    s = spec.scaling
+    assert (s.min_workers, s.num_workers, list(s.worker_counts)) == (1, 4, [1, 2, 3, 4])
+    assert spec.to_dict()["scaling"]["num_workers"] == [1, 4]
+    assert config.from_dict(spec.to_dict()) == spec  # what workers receive is the same range
+    assert s.at(3).num_workers == 3 and not s.at(3).elastic  # a worker group of the moment: a fixed count
+    ray_scaling = driver.scaling_config(s)
+    assert ray_scaling.elasticity_enabled and (ray_scaling.min_workers, ray_scaling.max_workers) == (1, 4)
+    assert ray_scaling.elastic_resize_monitor_interval_s == 5
+    fixed = config.parse(BASE).scaling
+    assert not fixed.elastic and list(fixed.worker_counts) == [2] and fixed.to_dict()["num_workers"] == 2
 
 
 def test_target_metric_must_be_produced_by_the_model():

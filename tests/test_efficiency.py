@@ -2,7 +2,7 @@
 
 import pytest
 
-from raytrain_par.metrics.efficiency import crossing, rank, summarize
+from raytrain_par.metrics.efficiency import crossing, rank, summarize, workers_text
 
 
 def recs(*points, trial="t"):
@@ -43,6 +43,20 @@ def test_summarize_and_rank():
     assert fast["throughput"] == pytest.approx(100 * 32 / 20.0)
     assert fast["epoch_time_s"] == pytest.approx(20.0)
     assert [r["trial"] for r in rank([never, slow, fast])] == ["fast", "slow", "never"]
+
+
+def test_summary_of_an_elastic_run_counts_its_resizes_and_worker_seconds():
+    # 2 workers for 10 s, 1 worker for the next 20 s, 2 again for the last 10 s
+    r = recs((0, 0.0, 900.0), (10, 10.0, 500.0), (20, 30.0, 300.0), (30, 40.0, 200.0))
+    for rec, n in zip(r, (2, 2, 1, 2)):
+        rec.update(num_workers=n, model_flops_per_step=1e12, peak_tflops=1.0)
+    row = summarize(r, "val_perplexity", 200.0, "min")
+    assert (row["num_workers"], row["min_workers"], row["resizes"]) == (2, 1, 2)
+    assert workers_text(row) == "1-2"
+    # 30 steps of 1e12 FLOPs over 10*2 + 20*1 + 10*2 = 60 worker-seconds at a peak of 1 TFLOP/s
+    assert row["mfu"] == pytest.approx(30 / 60)
+    fixed = summarize(recs((0, 0.0, 900.0), (10, 10.0, 500.0)))
+    assert (fixed["resizes"], workers_text(fixed)) == (0, "2")
 
 
 def test_records_keep_columns_that_appear_later(tmp_path):

@@ -41,7 +41,13 @@ def summarize(records: list[dict], metric: str | None = None, target: float | No
     last = records[-1]
     trained = [r for r in records if r.get("step_time_s")]
     row = {k: last.get(k) for k in ("experiment", "trial", "strategy", "num_workers", "global_batch_size")}
+    # An elastic run's worker count changes between records: the summary keeps the largest and the
+    # smallest, and how often it changed.
+    workers = [r["num_workers"] for r in records if r.get("num_workers")]
+    if workers:
+        row["num_workers"], row["min_workers"] = max(workers), min(workers)
     row.update({
+        "resizes": sum(a != b for a, b in zip(workers, workers[1:])),
         "evaluations": len(records),
         "steps": last["step"],
         "epochs": last["epoch"],
@@ -53,10 +59,9 @@ def summarize(records: list[dict], metric: str | None = None, target: float | No
         "mem_peak_bytes": max((r.get("mem_peak_bytes") or 0) for r in records),
         "mem_model_state_bytes": max((r.get("mem_model_state_bytes") or 0) for r in records),
         "final_val_loss": last.get("val_loss"),
-        # Over the whole run: every step's model FLOPs over all of its training time.
-        "mfu": (last["model_flops_per_step"] * last["step"] / last["wall_time_s"] / last["num_workers"]
-                / (last["peak_tflops"] * 1e12)
-                if last.get("model_flops_per_step") and last.get("peak_tflops") and last["wall_time_s"] else None),
+        # Over the whole run: every step's model FLOPs over all of its training time, on every worker.
+        "mfu": (last["model_flops_per_step"] * last["step"] / _worker_seconds(records) / (last["peak_tflops"] * 1e12)
+                if last.get("model_flops_per_step") and last.get("peak_tflops") and _worker_seconds(records) else None),
         "comm_fraction": _mean_of(records, "comm_fraction"),
     })
     if metric:
@@ -69,6 +74,22 @@ def summarize(records: list[dict], metric: str | None = None, target: float | No
             row["samples_to_target"] = crossing(records, metric, target, mode, "samples_seen")
             row["target_reached"] = row["time_to_target_s"] is not None
     return row
+
+
+def workers_text(row: dict) -> str:
+    """A trial's workers for a table: `4`, or `2-4` for an elastic run that changed size."""
+    lo, hi = row.get("min_workers"), row["num_workers"]
+    return f"{lo}-{hi}" if lo is not None and lo != hi else str(hi)
+
+
+def _worker_seconds(records: list[dict]) -> float:
+    """Training time x workers, summed over the intervals between evaluations (sorted by step): an
+    elastic run's interval counts the workers that trained it."""
+    total, prev = 0.0, 0.0
+    for r in records:
+        total += (r["wall_time_s"] - prev) * (r.get("num_workers") or 1)
+        prev = r["wall_time_s"]
+    return total
 
 
 def _mean_of(records: list[dict], key: str) -> float | None:
