@@ -200,7 +200,10 @@ def _estimate(spec, args) -> int:
         workers = _int_list(args.workers, "--workers")
     else:
         swept = (spec.sweep or {}).get("grid", {}).get("scaling.num_workers")
-        workers = [int(w) for w in swept] if isinstance(swept, list) else [spec.scaling.num_workers]
+        # an elastic range [MIN, MAX] may train on any count in it
+        counts = [range(w[0], w[1] + 1) if isinstance(w, list) else [int(w)] for w in swept] \
+            if isinstance(swept, list) else [spec.scaling.worker_counts]
+        workers = sorted({n for c in counts for n in c})
     if args.strategies:
         names = [n.strip() for n in args.strategies.split(",") if n.strip()]
         unknown = [n for n in names if n not in strategies.NAMES]

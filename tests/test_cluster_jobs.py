@@ -38,6 +38,7 @@ class Head:
     dashboard: str  # http://127.0.0.1:PORT, where `ray job submit` goes
     token: str
     env: dict
+    session: int  # the process session of `ray start --head`: every process of the cluster
 
     def api(self, path: str) -> dict:
         request = urllib.request.Request(self.dashboard + path, headers={"Authorization": f"Bearer {self.token}"})
@@ -50,15 +51,33 @@ class Head:
     def workers_alive(self) -> list[dict]:
         return [n for n in self.nodes() if not n["is_head_node"] and n["state"] == "ALIVE"]
 
-    def submit(self, submission_id: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    def submit(self, submission_id: str, *args: str, timeout: float = 240,
+               wait: bool = True) -> subprocess.CompletedProcess:
         """`ray job submit` exactly as docs/clusters.md has it, from the repository root."""
         return subprocess.run([str(BIN / "ray"), "job", "submit", "--address", self.dashboard,
-                               "--submission-id", submission_id, "--working-dir", ".", "--",
+                               "--submission-id", submission_id, "--working-dir", ".",
+                               *([] if wait else ["--no-wait"]), "--",
                                "raytrain-par", "run", "experiments/quickstart.yaml", *args],
                               cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
 
     def job_status(self, submission_id: str) -> str:
         return self.api(f"/api/jobs/{submission_id}")["status"]
+
+
+    def node_ids(self) -> list[str]:
+        return [n["node_id"] for n in self.workers_alive()]
+
+    def kill_node(self, node_id: str) -> None:
+        """A machine that vanishes: SIGKILL to the node's raylet and everything under it."""
+        for pid in _session_processes(self.session):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"raylet" in cmdline and f"--node_id={node_id}".encode() in cmdline:
+                os.kill(pid, signal.SIGKILL)
+                return
+        raise AssertionError(f"no raylet of node {node_id}")
 
 
 def _free_ports(n: int) -> list[int]:
@@ -126,7 +145,7 @@ def head():
          "--dashboard-agent-listen-port", str(agent), "--temp-dir", str(tmp / "ray"), "--disable-usage-stats",
          "--autoscaling-config", str(tmp / "autoscale.yaml")],
         env={**env, "RAY_FAKE_CLUSTER": "1"}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    h = Head(f"http://127.0.0.1:{dashboard}", token, env)
+    h = Head(f"http://127.0.0.1:{dashboard}", token, env, proc.pid)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -190,3 +209,52 @@ def test_failing_job_is_reported_failed(head, tmp_path):
     assert head.job_status("rtp-bad-lr") == "FAILED"
     assert "train.lr = -1.0: must be > 0" in proc.stdout + proc.stderr  # the job's own error reaches the submitter
     assert list(tmp_path.iterdir()) == []
+
+
+def test_elastic_job_keeps_training_when_a_node_goes_and_grows_back(head, tmp_path, info):
+    """An elastic run of [1, 2] workers, each a whole 2-CPU node the autoscaler adds: one node's raylet
+    is killed mid-run; training goes on with one worker (from the latest checkpoint) without waiting
+    for a replacement, grows back to two when the autoscaler has replaced the node, and trains the
+    same losses as one process on the same global batches, no record lost or repeated."""
+    from engines import train_steps
+    from raytrain_par.config import load_experiment
+    from raytrain_par.local_group import run_ranks
+
+    steps, every = 60, 2
+    train = ["train.lr_schedule=constant", "train.warmup_steps=0", "train.grad_clip=0", f"train.max_steps={steps}"]
+    proc = head.submit("rtp-elastic", "--set", f"output_dir={tmp_path}", "--set", "'scaling.num_workers=[1,2]'",
+                       "--set", "scaling.cpus_per_worker=2", "--set", "scaling.resize_interval_s=1",
+                       "--set", f"train.eval_every_steps={every}", "--set", "train.checkpoint_every_evals=1",
+                       "--set", "train.max_failures=3", "--set", "data.max_val_samples=16", *(
+                           x for t in train for x in ("--set", t)), wait=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    metrics = tmp_path / "quickstart" / "metrics.parquet"
+
+    def records():
+        return pq.read_table(metrics).to_pylist() if metrics.exists() else []
+
+    def seen(test):
+        assert head.job_status("rtp-elastic") in ("PENDING", "RUNNING"), f"the run ended: {records()}"
+        return [r for r in records() if test(r)]
+
+    assert _wait(lambda: seen(lambda r: r["num_workers"] == 2 and r["step"] > 0), 240, 1), records()
+    (victim, *_) = head.node_ids()
+    t_lost = time.time()
+    head.kill_node(victim)
+    shrunk = _wait(lambda: seen(lambda r: r["num_workers"] == 1 and r["timestamp"] > t_lost), 240, 1)
+    assert shrunk, records()
+    t_shrunk = time.time()
+    assert _wait(lambda: seen(lambda r: r["num_workers"] == 2 and r["timestamp"] > t_shrunk), 240, 1), records()
+    assert _wait(lambda: head.job_status("rtp-elastic") in ("SUCCEEDED", "FAILED", "STOPPED"), 300, 1)
+    assert head.job_status("rtp-elastic") == "SUCCEEDED"
+    print(f"\nnode lost -> training on 1 worker {min(r['timestamp'] for r in shrunk) - t_lost:.1f} s")
+
+    final = records()
+    assert [r["step"] for r in final] == list(range(0, steps + 1, every))  # none lost or repeated
+    workers = [r["num_workers"] for r in final[1:]]
+    assert 1 in workers and workers[-1] == 2
+    spec = load_experiment(REPO / "experiments" / "quickstart.yaml", [*train, "scaling.num_workers=1"])
+    data = info("kjv", seq_len=spec.data.seq_len, vocab_size=spec.data.vocab_size)
+    losses = run_ranks(1, train_steps, spec.to_dict(), data, steps)[0]["losses"]
+    per_interval = [sum(losses[i:i + every]) / every for i in range(0, steps, every)]
+    assert [r["train_loss"] for r in final[1:]] == pytest.approx(per_interval, rel=1e-5)
