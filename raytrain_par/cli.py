@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("results", help="results directory of an experiment, e.g. results/quickstart")
     report.add_argument("--out", help="where to write (default: the results directory)")
 
-    check = add("check", help="validate an experiment and print it with every default filled in")
+    check = add("check", help="validate an experiment (and its sweep block, as `sweep` would) and print it with "
+                "every default filled in")
     experiment_args(check)
 
     prep = add("data", help="prepare the experiment's data set into the cache")
@@ -143,6 +144,10 @@ def _dispatch(args) -> int:
         return 0
     spec = load_experiment(args.experiment, args.overrides, check_data=args.command != "estimate")
     if args.command == "check":
+        if spec.sweep is not None:
+            from .sweep import plan
+
+            plan(spec)  # the sweep block as `sweep` reads it: every trial it implies is a valid experiment
         print(yaml.safe_dump(spec.to_dict(), sort_keys=False), end="")
         return 0
     if args.command == "data":
