@@ -326,15 +326,18 @@ def ray_datasets(spec: ExperimentSpec, info: DatasetInfo) -> tuple[dict, DataCon
 
 
 def make_trainer(spec: ExperimentSpec, info: DatasetInfo, storage: Path, name: str = RUN_SUBDIR, trial: str = "run",
-                 callbacks: list | None = None) -> TorchTrainer:
+                 callbacks: list | None = None, loop=train_loop_per_worker, loop_config: dict | None = None,
+                 datasets: tuple[dict, DataConfig] | None = None) -> TorchTrainer:
+    """A TorchTrainer of `spec`'s workers running `loop` (by default the training loop, on the
+    experiment's datasets)."""
     s, t = spec.scaling, spec.train
     resources = {"CPU": s.cpus_per_worker}
     if s.use_gpu:
         resources["GPU"] = s.gpus_per_worker
-    datasets, data_config = ray_datasets(spec, info)
+    datasets, data_config = datasets or ray_datasets(spec, info)
     return TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"experiment": spec.to_dict(), "data": info.to_json(), "trial": trial},
+        loop,
+        train_loop_config={"experiment": spec.to_dict(), "data": info.to_json(), "trial": trial, **(loop_config or {})},
         torch_config=TorchConfig(backend=s.effective_backend),
         scaling_config=ScalingConfig(num_workers=s.num_workers, use_gpu=s.use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
