@@ -2,6 +2,7 @@
 
     raytrain-par run EXPERIMENT.yaml [--address ADDR] [--set key=value ...] [--resume]
     raytrain-par sweep EXPERIMENT.yaml [--address ADDR] [--set ...] [--resume]   Ray Tune over its sweep block
+    raytrain-par plan EXPERIMENT.yaml [--set ...] [--device-memory 80GiB]   predicted time-to-target of every sweep point
     raytrain-par report RESULTS_DIR [--out DIR]         figures and a ranked summary of a run or sweep
     raytrain-par check EXPERIMENT.yaml [--set ...]      validate and print the resolved experiment
     raytrain-par data EXPERIMENT.yaml                   prepare (and cache) the experiment's data set
@@ -27,6 +28,7 @@ from .errors import UserError
 EXAMPLES = {
     "run": "raytrain-par run experiments/quickstart.yaml --set train.max_steps=20",
     "sweep": "raytrain-par sweep experiments/sweep-workers-batch.yaml",
+    "plan": "raytrain-par plan experiments/sweep-workers-batch.yaml",
     "report": "raytrain-par report results/quickstart",
     "check": "raytrain-par check experiments/quickstart.yaml --set strategy.name=zero-2",
     "data": "raytrain-par data experiments/vgg-fashion.yaml",
@@ -62,11 +64,18 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
     sweep.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
 
+    plan = add("plan", help="predict every sweep point's time to the target from one reference run and short "
+               "throughput probes, and rank them")
+    experiment_args(plan)
+    plan.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
+    plan.add_argument("--device-memory", help="memory of one device (e.g. 80GiB): flags points that do not fit")
+
     report = add("report", help="write figures and a ranked Markdown summary of a run or sweep")
     report.add_argument("results", help="results directory of an experiment, e.g. results/quickstart")
     report.add_argument("--out", help="where to write (default: the results directory)")
 
-    check = add("check", help="validate an experiment and print it with every default filled in")
+    check = add("check", help="validate an experiment (and its sweep block, as `sweep` would) and print it with "
+                "every default filled in")
     experiment_args(check)
 
     prep = add("data", help="prepare the experiment's data set into the cache")
@@ -143,6 +152,10 @@ def _dispatch(args) -> int:
         return 0
     spec = load_experiment(args.experiment, args.overrides, check_data=args.command != "estimate")
     if args.command == "check":
+        if spec.sweep is not None:
+            from .sweep import plan
+
+            plan(spec)  # the sweep block as `sweep` reads it: every trial it implies is a valid experiment
         print(yaml.safe_dump(spec.to_dict(), sort_keys=False), end="")
         return 0
     if args.command == "data":
@@ -161,6 +174,8 @@ def _dispatch(args) -> int:
         return 1 if any(t["status"] == "failed" for t in result.trials) else 0
     if args.command == "estimate":
         return _estimate(spec, args)
+    if args.command == "plan":
+        return _plan(spec, args)
     from .driver import run_experiment
 
     result = run_experiment(spec, address=args.address, resume=args.resume)
@@ -220,6 +235,21 @@ def _estimate(spec, args) -> int:
              if spec.train.activation_checkpointing != "none" else "")
           + (f", device memory {args.device_memory}" if device_memory else ""))
     print(estimate.table(rows, device_memory))
+    return 0
+
+
+def _plan(spec, args) -> int:
+    from . import estimate
+    from .goodput import make_plan, plan_table
+
+    device_memory = estimate.parse_size(args.device_memory) if args.device_memory else None
+    result = make_plan(spec, address=args.address, device_memory=device_memory)
+    print("")
+    print(plan_table(result.rows))
+    best = result.rows[0]
+    print(f"* step time predicted by the fitted model, not probed at that point\n"
+          f"predicted fastest to {spec.target}: {best['trial']} ({best['predicted_time_to_target_s']:.1f} s of "
+          f"training); plan in {result.path} ({result.seconds:.0f} s)")
     return 0
 
 

@@ -362,12 +362,15 @@ def scaling_config(s) -> ScalingConfig:
 
 
 def make_trainer(spec: ExperimentSpec, info: DatasetInfo, storage: Path, name: str = RUN_SUBDIR, trial: str = "run",
-                 callbacks: list | None = None) -> TorchTrainer:
+                 callbacks: list | None = None, loop=train_loop_per_worker, loop_config: dict | None = None,
+                 datasets: tuple[dict, DataConfig] | None = None) -> TorchTrainer:
+    """A TorchTrainer of `spec`'s workers running `loop` (by default the training loop, on the
+    experiment's datasets)."""
     t = spec.train
-    datasets, data_config = ray_datasets(spec, info)
+    datasets, data_config = datasets or ray_datasets(spec, info)
     return TorchTrainer(
-        train_loop_per_worker,
-        train_loop_config={"experiment": spec.to_dict(), "data": info.to_json(), "trial": trial},
+        loop,
+        train_loop_config={"experiment": spec.to_dict(), "data": info.to_json(), "trial": trial, **(loop_config or {})},
         torch_config=TorchConfig(backend=spec.scaling.effective_backend),
         scaling_config=scaling_config(spec.scaling),
         run_config=RunConfig(

@@ -189,3 +189,21 @@ def plan(spec: ExperimentSpec) -> Plan:
                 trial_cpus=max(s.scaling.num_workers * s.scaling.cpus_per_worker for s in specs),
                 trial_gpus=max((s.scaling.num_workers * s.scaling.gpus_per_worker if s.scaling.use_gpu else 0)
                                for s in specs))
+
+
+def check_goodput(p: Plan, who: str) -> None:
+    """What predicting time-to-target over a search space needs (`raytrain-par plan`):
+    a target on the sweep's metric, grid points (nothing sampled) and two global batch sizes or more,
+    since the noise scale says how steps to the target change with the batch."""
+    if p.target is None:
+        raise ConfigError("target", None, f"{who} predicts the time to reach a target of {p.metric}, "
+                          "and the experiment has none on it",
+                          f"add e.g. `target: {p.metric} {'>=' if p.mode == 'max' else '<='} VALUE`")
+    if p.sweep.random:
+        raise ConfigError("sweep.random", p.sweep.random, f"{who} predicts grid points; it samples nothing",
+                          "move the values to sweep.grid as lists")
+    batches = sorted({p.trial_spec(pt).train.global_batch_size for pt in p.points})
+    if len(batches) < 2:
+        raise ConfigError("sweep.grid.train.global_batch_size", batches,
+                          f"{who} compares batch sizes and the search space has one",
+                          "sweep two or more, e.g. `train.global_batch_size: [16, 32, 64]`")

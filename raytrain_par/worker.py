@@ -13,6 +13,7 @@ since training started, and `startup_s` the time before it (model build, data lo
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -315,6 +316,27 @@ def memory_train_loader(spec: ExperimentSpec, arrays: dict[str, torch.Tensor]):
     return make
 
 
+def time_steps(spec: ExperimentSpec, info: DatasetInfo, ctx: DistContext, arrays: dict[str, torch.Tensor],
+               warmup: int, steps: int) -> float:
+    """Seconds per optimizer step of `spec`'s engine, over `steps` steps after `warmup` (the engine's
+    start-up and first steps, which allocate and compile, excluded): the throughput probe of
+    `raytrain-par plan`. Every worker starts and ends the timed window together."""
+    model, task = models.build(spec.model, info, spec.train.seed)
+    engine = strategies.build_engine(spec.strategy, model, task, spec.train, ctx, warmup + steps)
+    engine.measure_memory = False
+    del model
+    loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
+    batches = (b for epoch in itertools.count() for b in loader.epoch(epoch))
+    t0 = None
+    for i, batch in enumerate(itertools.islice(batches, warmup + steps)):
+        if i == warmup:
+            float(engine.dp_sum(loss.detach().float()))  # waits for the device and for every worker
+            t0 = time.perf_counter()
+        loss = engine.train_step(batch)
+    float(engine.dp_sum(loss.detach().float()))
+    return (time.perf_counter() - t0) / steps
+
+
 # -- Ray Train entry point ---------------------------------------------------------------------
 
 class RayReporter(Reporter):
@@ -366,22 +388,29 @@ def _read_shard(name: str, info: DatasetInfo) -> dict[str, torch.Tensor]:
     return concat(decode(info, b) for b in shard.iter_batches(batch_size=4096, batch_format="numpy"))
 
 
+def _worker_context(config: dict) -> tuple[DatasetInfo, DistContext]:
+    """What every Ray Train entry point starts with: quiet logs, threads, the data set, this worker's place."""
+    import ray.train
+    import ray.train.torch
+
+    quiet_ray_logs()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    context = ray.train.get_context()
+    ctx = DistContext(context.get_world_rank(), context.get_world_size(), context.get_local_rank(),
+                      ray.train.torch.get_device())
+    return DatasetInfo.from_json(config["data"]), ctx
+
+
 def train_loop_per_worker(config: dict) -> None:
     """What each Ray Train worker runs. `config`: {"experiment": spec dict, "data": DatasetInfo dict, "trial": str}."""
     import ray.train
-    import ray.train.torch
 
     from .config import from_dict
     from .data.shards import decode
 
     t0 = time.perf_counter()
-    quiet_ray_logs()
     spec = from_dict(config["experiment"])
-    info = DatasetInfo.from_json(config["data"])
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    context = ray.train.get_context()
-    ctx = DistContext(context.get_world_rank(), context.get_world_size(), context.get_local_rank(),
-                      ray.train.torch.get_device())
+    info, ctx = _worker_context(config)
     # An elastic run's worker group is as large as Ray Train could make it this time: the data-parallel
     # size, each worker's rows and the records follow the live count, not the configured range.
     spec = replace(spec, scaling=spec.scaling.at(ctx.world_size))
@@ -404,3 +433,21 @@ def train_loop_per_worker(config: dict) -> None:
     trainer = Trainer(spec, info, ctx, RayReporter(log), train_loader, val, trial=config.get("trial", "run"),
                       startup_s=time.perf_counter() - t0, log=log)
     trainer.run()
+
+
+def probe_loop_per_worker(config: dict) -> None:
+    """Ray Train entry point of the throughput probes: `config["probes"]` maps a name to an experiment
+    dict (all on this run's workers and data); reports {"step_times": {name: seconds per step}}."""
+    import gc
+
+    import ray.train
+
+    from .config import from_dict
+
+    info, ctx = _worker_context(config)
+    arrays = _read_shard("train", info)
+    times = {}
+    for name, experiment in config["probes"].items():
+        times[name] = time_steps(from_dict(experiment), info, ctx, arrays, config["warmup"], config["steps"])
+        gc.collect()  # the engine of one probe is gone before the next is built
+    ray.train.report({"step_times": times})

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import yaml
 
 from raytrain_par import config
 from raytrain_par.errors import ConfigError
@@ -55,3 +56,19 @@ def test_target_metric_the_model_does_not_produce():
            "sweep": {"grid": {"scaling.num_workers": [1, 2]}, "metric": "val_perplexity"}}
     with pytest.raises(ConfigError, match="vgg11 does not produce it"):
         plan(config.parse(raw))
+
+
+@pytest.mark.parametrize("sweep,words", [
+    ("{grid: {train.nothing: [1, 2]}}", "sweep trial nothing=1: train.nothing"),
+    ("{grid: {}}", "the search space is empty"),
+])
+def test_check_refuses_a_sweep_block_that_sweep_refuses(sweep, words, tmp_path, capsys):
+    from raytrain_par import cli
+
+    f = tmp_path / "e.yaml"
+    f.write_text(yaml.safe_dump(BASE))
+    assert cli.main(["check", str(f), "--set", "sweep={grid: {train.global_batch_size: [16, 32]}}"]) == 0
+    assert "train.global_batch_size:\n    - 16" in capsys.readouterr().out
+    assert cli.main(["check", str(f), "--set", f"sweep={sweep}"]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "fix:" in err

@@ -21,7 +21,11 @@ the loss as training computes it (its mean over the rows of a batch).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from .efficiency import crossing
 
 
 class NoiseScale:
@@ -51,3 +55,59 @@ class NoiseScale:
             return None
         g2, trace = float(self.squared_norm), float(self.trace)
         return trace / g2 if g2 > 0 and trace > 0 else None
+
+
+# -- time-to-target predicted from one reference run -------------------------------------------------
+
+@dataclass
+class Reference:
+    """What one run at global batch `batch` says about every other batch size: it reached the target
+    after `steps` optimizer steps, `min_steps` (S_min) is what an infinitely large batch would need, and
+    `noise_scale` (B_noise) the noise scale averaged as the steps weigh it."""
+
+    batch: int
+    steps: float
+    min_steps: float
+    noise_scale: float
+
+    def steps_to_target(self, batch: int) -> float:
+        """S = S_min (1 + B_noise / M): McCandlish et al., equation 2.11."""
+        return self.min_steps * (1 + self.noise_scale / batch)
+
+    def efficiency(self, batch: int) -> float:
+        """Statistical efficiency against the reference batch M0, (B_noise + M0) / (B_noise + M) (Pollux):
+        the reference's rows to target over those of batch M; 1 at M0, less for larger batches."""
+        return (self.noise_scale + self.batch) / (self.noise_scale + batch)
+
+
+def fit_reference(records: list[dict], metric: str, target: float, mode: str) -> Reference | None:
+    """S_min and B_noise from one run's records (each with `step` and `grad_noise_scale`, which changes
+    as training goes). Every interval between evaluations, up to where the target was reached, adds
+    its steps at the batch M0 it ran at and the noise scale measured over it; S(M) = S_min (1 + B/M)
+    holds per interval, so summed
+
+        S_min = sum_i dS_i / (1 + B_i / M0),   B_noise = sum_i B_i dS_i / (1 + B_i / M0) / S_min,
+
+    and S_min (1 + B_noise / M) is the sum of every interval's steps at batch M. None where the run
+    never reached the target. An interval without a measurement takes the next one's."""
+    records = sorted(records, key=lambda r: r["step"])
+    reached = crossing(records, metric, target, mode, "step")
+    if reached is None:
+        return None
+    batch = int(records[-1]["global_batch_size"])
+    noise = [r.get("grad_noise_scale") for r in records]
+    for i in range(len(noise) - 2, -1, -1):
+        noise[i] = noise[i] if noise[i] is not None else noise[i + 1]
+    min_steps = weighted = 0.0
+    for prev, r, b in zip(records, records[1:], noise[1:]):
+        steps = min(r["step"], reached) - prev["step"]
+        if steps <= 0:
+            break
+        if b is None:
+            raise ValueError(f"no gradient noise scale recorded at or after step {r['step']}")
+        s_min = steps / (1 + b / batch)
+        min_steps += s_min
+        weighted += b * s_min
+    if min_steps == 0:  # met before the first step: nothing to scale
+        return Reference(batch, reached, reached, 0.0)
+    return Reference(batch, reached, min_steps, weighted / min_steps)

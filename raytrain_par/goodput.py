@@ -1,0 +1,232 @@
+"""`raytrain-par plan`: time-to-target predicted for every point of a sweep, from one reference run
+and a few short probes, before training any of them.
+
+Goodput (Pollux, Qiao et al. OSDI 2021) is throughput times statistical efficiency. The two are
+measured apart:
+
+- statistical efficiency: one reference run trains the experiment's own configuration (global
+  batch M0) to the target, measuring the gradient noise scale as it goes (metrics/goodput.py). From
+  it the steps to the target at any global batch M follow, S = S_min (1 + B_noise / M), and the
+  efficiency against M0, (B_noise + M0) / (B_noise + M). Only a data-parallel engine with two or
+  more workers measures the noise scale; an experiment whose own strategy or worker count does not
+  is measured with ddp on two workers instead (same model, data, batch and learning rate).
+- throughput: for each strategy and worker count of the sweep, one short Ray Train run times a few
+  optimizer steps (after warm-up; start-up excluded) at the smallest and largest per-worker batch
+  of the sweep, and Pollux's step-time model, fitted to them (metrics/throughput.py), gives the step
+  time of every point.
+
+Predicted time to target = S(M) x step time. Memory per worker comes from `raytrain-par estimate`.
+Writes <output_dir>/<name>/plan.parquet (one row per point, ranked) and the reference's records and
+probes under <output_dir>/<name>/plan/.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray.train
+
+from . import data as data_sets
+from . import estimate
+from .config import ExperimentSpec, parse
+from .driver import make_trainer, preflight, ray_cluster, run_experiment
+from .errors import ConfigError, UserError
+from .metrics.goodput import Reference, fit_reference
+from .metrics.records import write_table
+from .metrics.throughput import Probe, ThroughputModel
+from .sweep import Plan, check_goodput, describe, plan as sweep_plan
+from .worker import probe_loop_per_worker
+
+PROBE_WARMUP, PROBE_STEPS = 2, 4
+
+
+@dataclass
+class GoodputPlan:
+    rows: list[dict]  # one per point, fastest predicted first
+    reference: Reference
+    throughput: ThroughputModel
+    notes: list[str] = field(default_factory=list)
+    path: Path | None = None
+    seconds: float = 0.0  # the plan's own time, start-up included
+
+
+def strategy_key(spec: ExperimentSpec) -> str:
+    """What shares one step-time model: a strategy with its options."""
+    return json.dumps(spec.strategy.to_dict(), sort_keys=True)
+
+
+def reference_spec(spec: ExperimentSpec) -> tuple[ExperimentSpec, str | None]:
+    """The experiment's own configuration, stopping at the target, with its records kept under plan/;
+    ddp on two workers or more where its own engine does not measure the noise scale (and why)."""
+    raw = spec.to_dict()
+    raw.update(sweep=None, name="reference", output_dir=str(spec.results_dir / "plan"))
+    raw["train"].update(stop_at_target=True, eval_at_start=True)
+    note = None
+    if spec.strategy.name != "ddp" or spec.scaling.num_workers < 2:
+        workers = max(2, spec.scaling.num_workers)
+        note = (f"{spec.strategy.name} on {spec.scaling.num_workers} worker(s) does not measure the gradient noise "
+                f"scale: the reference trains with ddp on {workers} workers (same model, data, batch and lr)")
+        raw["strategy"], raw["scaling"]["num_workers"] = {"name": "ddp"}, workers
+    try:
+        return parse(raw), note
+    except ConfigError as e:
+        raise ConfigError(e.field, e.value, f"{e.problem} (in the reference run that measures the noise scale: "
+                          f"{note})", e.fix) from None
+
+
+class _StepTimes(ray.train.UserCallback):
+    """On the Train controller (an actor of its own, on the driver's node): writes rank 0's report to a
+    file, as RecordCallback does (Ray Train V2 keeps metrics in its Result only with checkpoints)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def after_report(self, run_context, metrics, checkpoint):
+        if metrics and metrics[0]:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(metrics[0]["step_times"]))
+
+
+def probe_points(p: Plan, specs: list[ExperimentSpec]) -> dict[tuple, dict[str, ExperimentSpec]]:
+    """The probes to run, by (workers, data): for each strategy and worker count, the smallest and largest
+    per-worker batch of the sweep. (The reference's own step times are not reused: its intervals hold the
+    steps that measure memory and the profiled ones, which the probes' steps do not.)"""
+    groups: dict[tuple, list[ExperimentSpec]] = {}
+    for s in specs:
+        groups.setdefault((strategy_key(s), s.scaling.num_workers), []).append(s)
+    runs: dict[tuple, dict[str, ExperimentSpec]] = {}
+    for (key, workers), members in groups.items():
+        by_batch = {s.per_worker_batch: s for s in members}
+        for b in sorted({min(by_batch), max(by_batch)}):
+            s = by_batch[b]
+            run = runs.setdefault((workers, json.dumps(s.to_dict()["data"], sort_keys=True)), {})
+            name = f"{s.strategy.name}-w{workers}-local{b}"
+            run[name if name not in run else f"{name}-{len(run)}"] = s  # one strategy, other options
+    return runs
+
+
+def _probe(specs: dict[str, ExperimentSpec], storage: Path, log) -> dict[str, float]:
+    """One Ray Train run on these probes' workers timing each of them; seconds per step by name."""
+    import pyarrow.dataset as pds
+    import ray.data
+    from ray.train import DataConfig
+
+    first = next(iter(specs.values()))
+    info = data_sets.prepare(first.data, first.data.cache_dir, log=lambda *_: None)
+    # Enough rows for the largest global batch a few times over: the probes time steps, not epochs.
+    rows = 2 * max(s.train.global_batch_size for s in specs.values())
+    table = pds.dataset(info.train_path, format="parquet").head(min(rows, info.num_train))
+    name = f"probe-w{first.scaling.num_workers}"
+    out = storage / f"{name}.json"
+    trainer = make_trainer(first, info, storage, name=name, callbacks=[_StepTimes(out)],
+                           loop=probe_loop_per_worker,
+                           loop_config={"probes": {n: s.to_dict() for n, s in specs.items()},
+                                        "warmup": PROBE_WARMUP, "steps": PROBE_STEPS},
+                           datasets=({"train": ray.data.from_arrow(table)}, DataConfig(datasets_to_split=[])))
+    t0 = time.perf_counter()
+    trainer.fit()
+    log(f"probed {', '.join(specs)} in {time.perf_counter() - t0:.0f} s")
+    return json.loads(out.read_text())
+
+
+def predict(p: Plan, reference: Reference, model: ThroughputModel, device_memory: int | None = None,
+            probed: set[tuple] = frozenset()) -> list[dict]:
+    """One row per point: steps, step time and time to the target, efficiency, memory; fastest first
+    (points that do not fit in `device_memory` last)."""
+    rows = []
+    for point in p.points:
+        s = p.trial_spec(point)  # with the sweep's lr_scaling, as the trial will run
+        m = s.train.global_batch_size
+        steps = reference.steps_to_target(m)
+        step_time = model.step_time(strategy_key(s), s.scaling.num_workers, s.per_worker_batch,
+                                    s.train.gradient_accumulation_steps)
+        memory = _memory_bytes(s)
+        rows.append({
+            "trial": describe(point), "overrides": json.dumps(point), "strategy": s.strategy.name,
+            "num_workers": s.scaling.num_workers, "global_batch_size": m, "per_worker_batch": s.per_worker_batch,
+            "lr": s.train.lr, "statistical_efficiency": reference.efficiency(m),
+            "predicted_steps_to_target": steps, "predicted_step_time_s": step_time,
+            "predicted_time_to_target_s": steps * step_time,
+            "step_time_probed": (strategy_key(s), s.scaling.num_workers, s.per_worker_batch) in probed,
+            "memory_per_worker_bytes": memory,
+            "fits": None if device_memory is None or memory is None else memory <= device_memory,
+            "grad_noise_scale": reference.noise_scale, "reference_batch": reference.batch,
+            "reference_steps_to_target": reference.steps,
+        })
+    rows.sort(key=lambda r: (r["fits"] is False, r["predicted_time_to_target_s"]))
+    for i, r in enumerate(rows):
+        r["rank"] = i + 1
+    return rows
+
+
+def _memory_bytes(s: ExperimentSpec) -> float | None:
+    return _memory_of(json.dumps(s.to_dict(), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _memory_of(experiment: str) -> float | None:
+    """`raytrain-par estimate`'s bytes per worker (a second or two per experiment: kept per experiment)."""
+    s = parse(json.loads(experiment))
+    rows = estimate.estimate(s, [s.strategy.name], [s.scaling.num_workers])
+    return rows[0].device_bytes if rows and not rows[0].note else None
+
+
+def make_plan(spec: ExperimentSpec, address: str | None = None, device_memory: int | None = None,
+              log=print) -> GoodputPlan:
+    """Reference run, probes, predictions; writes plan.parquet."""
+    t0 = time.perf_counter()
+    p = sweep_plan(spec)
+    check_goodput(p, "raytrain-par plan")
+    ref, note = reference_spec(spec)
+    specs = [p.trial_spec(pt) for pt in p.points]
+    preflight(spec, address, log)
+    notes = [note] if note else []
+    if p.sweep.lr_scaling == "none":
+        notes.append("sweep.lr_scaling is none: every batch trains with the file's lr, and the prediction assumes "
+                     "one that suits each batch (set lr_scaling: sqrt or linear)")
+    for n in notes:
+        log(f"note: {n}")
+    biggest = max(specs + [ref], key=lambda s: s.scaling.num_workers)
+    with ray_cluster(biggest, address, log=log):
+        log(f"{spec.name}: reference run ({ref.strategy.name}, {ref.scaling.num_workers} workers, global batch "
+            f"{ref.train.global_batch_size}) to {spec.target}")
+        result = run_experiment(ref, log=lambda *_: None)
+        if result.error is not None:
+            raise UserError(f"the reference run failed: {result.error}")
+        reference = fit_reference(result.records, p.metric, p.target, p.mode)
+        if reference is None:
+            raise UserError(f"the reference run did not reach {spec.target} in {result.records[-1]['step']} steps "
+                            f"(records in {result.results_dir}).\n  fix: raise train.max_steps (or train.epochs), "
+                            "or set an easier target")
+        log(f"reference: target reached after {reference.steps:.1f} steps at batch {reference.batch}; gradient noise "
+            f"scale {reference.noise_scale:.1f} rows, S_min {reference.min_steps:.1f} steps")
+        probes = []
+        for (workers, _), run in probe_points(p, specs).items():
+            times = _probe(run, spec.results_dir / "plan" / "probes", log)
+            probes += [Probe(strategy_key(s), workers, s.per_worker_batch, times[name],
+                             s.train.gradient_accumulation_steps) for name, s in run.items()]
+    model = ThroughputModel.fit(probes)
+    rows = predict(p, reference, model, device_memory, {(q.strategy, q.workers, q.local_batch) for q in probes})
+    path = write_table(spec.results_dir / "plan.parquet", rows)
+    return GoodputPlan(rows, reference, model, notes, path, time.perf_counter() - t0)
+
+
+def plan_table(rows: list[dict]) -> str:
+    """The ranking, for the terminal and docs."""
+    def f(v, fmt):
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+    head = ["#", "point", "strategy", "workers", "batch", "lr", "efficiency", "steps", "s/step", "to_target_s",
+            "MiB/worker", "fits"]
+    body = [[str(r["rank"]), r["trial"], r["strategy"], str(r["num_workers"]), str(r["global_batch_size"]),
+             f(r["lr"], ".3g"), f(r["statistical_efficiency"], ".3f"), f(r["predicted_steps_to_target"], ".1f"),
+             f(r["predicted_step_time_s"], ".3f") + ("" if r["step_time_probed"] else "*"),
+             f(r["predicted_time_to_target_s"], ".1f"),
+             f(None if r["memory_per_worker_bytes"] is None else r["memory_per_worker_bytes"] / 2**20, ".0f"),
+             "-" if r["fits"] is None else ("yes" if r["fits"] else "NO")] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    return "\n".join(["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *body]])
