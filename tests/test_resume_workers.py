@@ -160,30 +160,3 @@ def test_a_strategy_that_cannot_reshard_keeps_its_worker_count(tmp_path, monkeyp
         check_resumable(config.parse(experiment(workers=1)), run_dir)
     assert "scaling.num_workers: checkpoint 2, experiment 1" in str(err.value)
     assert "ddp checkpoints resume only on the number of workers that wrote them" in str(err.value)
-
-
-# -- through Ray Train ---------------------------------------------------------------------------------
-
-@pytest.mark.ray
-def test_zero2_on_two_ray_workers_resumes_on_one(ray_cluster, tmp_path):
-    """A zero-2 run of 4 steps on 2 Ray workers; its step-4 checkpoint damaged, `--resume --set
-    scaling.num_workers=1` continues from step 2 on one worker and trains the steps the 2 workers did."""
-    from raytrain_par.driver import run_experiment
-
-    raw = {**_spec("zero-2", 2), "output_dir": str(tmp_path)}
-    raw["train"]["keep_checkpoints"] = 2
-    first = run_experiment(config.parse(raw), log=lambda *_: None)
-    assert first.error is None, first.error
-    newest = sorted((tmp_path / "parity" / "train").glob("checkpoint_*/"))[-1]
-    assert json.loads((newest / "loop.json").read_text())["state"]["step"] == 4
-    (newest / "zero-rank1.pt").unlink()  # the run resumes from the one before it, at step 2
-    one = {**raw, "scaling": {**raw["scaling"], "num_workers": 1}}
-    resumed = run_experiment(config.parse(one), resume=True, log=lambda *_: None)
-    assert resumed.error is None, resumed.error
-    was = [r for r in first.records if r["step"] > 2]
-    now = [r for r in resumed.records if r["step"] > 2]
-    assert [r["step"] for r in now] == [3, 4] and now[0]["resumed_from_step"] == 2
-    for a, b in zip(was, now):
-        assert (a["num_workers"], b["num_workers"]) == (2, 1)
-        assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-5, abs=0)
-        assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5, abs=0)

@@ -190,9 +190,10 @@ def test_fp16_needs_a_gpu():
 
 @pytest.mark.ray
 def test_zero3_through_ray_resumes_exactly_and_exports_a_plain_model(ray_cluster, tmp_path, info):
-    """Two Ray runs of zero-3 on 2 workers -- 4 steps, then resumed to 6 from the checkpoint the
-    first wrote -- train exactly the steps one uninterrupted process group trains; `export` then
-    writes a GPT-2 that transformers loads with every key and that scores the run's validation loss."""
+    """Two Ray runs of zero-3 -- 4 steps on 2 workers, then resumed to 6 on one worker (`--resume --set
+    scaling.num_workers=1`) from the checkpoint the first wrote -- train the steps one uninterrupted
+    process group trains; `export` then writes a GPT-2 that transformers loads with every key and that
+    scores the run's validation loss."""
     from raytrain_par.driver import run_experiment
 
     steps = 6
@@ -205,12 +206,14 @@ def test_zero3_through_ray_resumes_exactly_and_exports_a_plain_model(ray_cluster
     spec = config.parse({**raw, "train": {**raw["train"], "max_steps": 4}})
     first = run_experiment(spec, log=lambda *_: None)
     assert first.error is None, first.error
-    resumed = run_experiment(config.parse(raw), resume=True, log=lambda *_: None)
+    one = {**raw, "scaling": {**raw["scaling"], "num_workers": 1}}
+    resumed = run_experiment(config.parse(one), resume=True, log=lambda *_: None)
     assert resumed.error is None, resumed.error
     records = resumed.records
-    assert [r["step"] for r in records] == [2, 4, 6]
-    for r in records:
-        assert r["train_loss"] == pytest.approx(sum(reference[r["step"] - 2:r["step"]]) / 2, abs=1e-6)
+    assert [(r["step"], r["num_workers"]) for r in records] == [(2, 2), (4, 2), (6, 1)]
+    for r in records:  # exact where the same workers trained; after resharding, as close as fp32 sums allow
+        assert r["train_loss"] == pytest.approx(sum(reference[r["step"] - 2:r["step"]]) / 2,
+                                                abs=1e-6 if r["step"] <= 4 else 0, rel=0 if r["step"] <= 4 else 1e-5)
         assert r["strategy"] == "zero-3"
         assert r["mem_model_state_bytes"] > 0 and r["mem_model_state_theory_bytes"] > 0
 
