@@ -49,7 +49,8 @@ from torch import nn
 
 from ..metrics.memory import SavedActivations
 from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
-from .stages import Busy, Interval, Pipeline, StagedLayout, validate_layout
+from .layout import Layout
+from .stages import Busy, Interval, Pipeline, validate_layout
 
 SCHEDULES = {
     "gpipe": pipelining.ScheduleGPipe,
@@ -58,6 +59,7 @@ SCHEDULES = {
     "zero-bubble": pipelining.ScheduleInterleavedZeroBubble,
     "zbv": pipelining.ScheduleZBVZeroBubble,
 }
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"]
 # Schedules that hold several stages per worker (virtual stages).
 MULTI = ("interleaved-1f1b", "zero-bubble", "zbv")
 
@@ -67,7 +69,7 @@ class Options:
     """`strategy:` keys for pipeline."""
 
     stages: int = 2  # P: pipeline ranks; num_workers = P x data-parallel replicas
-    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"] = "1f1b"
+    schedule: Schedule = "1f1b"
     microbatches: Optional[int] = None  # M per step and pipeline (default 4 x stages)
     virtual_stages: Optional[int] = None  # stages per worker, interleaved-1f1b / zero-bubble (default 2); zbv: 2
     split_points: Optional[list[int]] = None  # layer indices where stages 1.. begin; default: balanced
@@ -113,8 +115,8 @@ class Options:
                 error("strategy.microbatches", M, f"{self.schedule} runs microbatches in rounds of {P} stages and "
                       f"needs a multiple of the {rounds} rounds", f"use a multiple of {P}, e.g. {rounds * P}")
 
-    def data_parallel_size(self, num_workers: int) -> int:
-        return max(1, num_workers // self.stages)
+    def layout(self, num_workers: int) -> Layout:
+        return Layout.of(num_workers, pipeline=self.stages)
 
     def bubble_theory(self) -> float | None:
         """The idle share of a step in theory, with forward and backward of every stage equally long:
@@ -147,14 +149,29 @@ class _TimedStage(pipelining.PipelineStage):
             return super().backward_weight_one_chunk(*args, **kwargs)
 
 
-class PipelineEngine(StagedLayout, Engine):
+class PipelineEngine(Engine):
     Options = Options
+    #: transforms the whole model in place before the stages take their layers (see stages.Pipeline)
+    split_layers = None
+
+    def schedule_options(self, options) -> Options:
+        """The options of the stages' schedule (an engine built on this one may hold them in its own)."""
+        return options
+
+    def stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one microbatch from the last stage's output."""
+        return self.task.loss_from(logits, labels)
+
+    @property
+    def eval_task(self):
+        """What evaluation's last stage computes its sums with (`sums_from`): the task."""
+        return self.task
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
         super().__init__(model, task, train, options, ctx, total_steps)
-        o = options
-        self.pipe = Pipeline(model, ctx, o.stages, o.stages * o.stages_per_worker, o.stages_of, o.split_points,
-                             o.balance, train.precision)
+        self.pipeline_options = o = self.schedule_options(options)
+        self.pipe = Pipeline(model, self.placement, self.device, o.stages * o.stages_per_worker, o.stages_of,
+                             o.split_points, o.balance, train.precision, self.split_layers)
         self.microbatches = o.num_microbatches
         self.busy, self.bubble = Busy(self.device), Interval()
         self.activations = SavedActivations()
@@ -165,7 +182,7 @@ class PipelineEngine(StagedLayout, Engine):
 
         def loss_fn(logits, labels):
             with self.busy():
-                return task.loss_from(logits, labels) / scale
+                return self.stage_loss(logits, labels) / scale
 
         stages = [_TimedStage(module, s, self.pipe.S, self.device, group=self.pipe.pp_group, busy=self.busy)
                   for s, module in self.pipe.modules.items()]
@@ -200,13 +217,16 @@ class PipelineEngine(StagedLayout, Engine):
         self.bubble.add(1.0 - busy / max(time.perf_counter() - t0, 1e-9))
         pipe.reduce_grads()
         if self.train.grad_clip:
-            pipe.clip_grads(self.train.grad_clip)
+            self.clip_grads(self.train.grad_clip)
         self.optimizer_step()
         return pipe.from_last(total)
 
+    def clip_grads(self, max_norm: float) -> torch.Tensor:
+        return self.pipe.clip_grads(max_norm)
+
     @torch.no_grad()
     def evaluate(self, batches):
-        sums = self.dp_sum(self.pipe.eval_sums(batches, self.task))
+        sums = self.dp_sum(self.pipe.eval_sums(batches, self.eval_task))
         return self.task.summarize(*[float(x) for x in sums])
 
     # -- records ----------------------------------------------------------------------------------
@@ -225,7 +245,7 @@ class PipelineEngine(StagedLayout, Engine):
         measured = all(r["bubble"] is not None for r in ranks)  # not before the first step
         out["stage_bubble_fraction"] = [r["bubble"] for r in ranks] if measured else None
         out["bubble_fraction"] = sum(r["bubble"] for r in ranks) / len(ranks) if measured else None
-        out["bubble_theory"] = self.options.bubble_theory()
+        out["bubble_theory"] = self.pipeline_options.bubble_theory()
         return out
 
     # -- checkpoints: each pipeline rank writes its stages (the first replica; the others are equal) --
