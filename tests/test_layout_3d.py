@@ -38,6 +38,7 @@ def test_rank_order_keeps_tensor_groups_adjacent():
     ({"name": "megatron", "tensor_parallel": 2, "data_parallel_sharding": "fsdp"}, 4, Layout(1, 2, 2, "fsdp")),
     (three_d(), 8, Layout(2, 2, 2)),
     ({"name": "pipeline", "stages": 2, "microbatches": 2}, 4, Layout(2, 1, 2)),
+    ({"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}, 4, Layout(2, 1, 2, "fsdp")),
 ])
 def test_every_strategy_states_its_layout(strategy, workers, want):
     spec = config.parse(experiment(strategy=strategy, workers=workers, batch=16))
@@ -55,6 +56,8 @@ def test_every_strategy_states_its_layout(strategy, workers, want):
     ({"name": "megatron", "tensor_parallel": 2, "data_parallel_sharding": "zero-1"}, 4,
      "strategy.data_parallel_sharding", "ZeRO is a strategy of its own"),
     ({"name": "megatron", "tensor_parallel": 2, "microbatches": 4}, 2, "strategy.stages", "arrange pipeline stages"),
+    ({"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "zero-3"}, 4,
+     "strategy.data_parallel_sharding", "ZeRO is a strategy of its own"),
     (three_d(stages=0), 2, "strategy.stages", "must be >= 1"),
 ])
 def test_bad_layouts_are_rejected_before_start(strategy, workers, field, words):
@@ -103,3 +106,10 @@ def test_tensor_by_pipeline_by_data_matches_one_process(kjv, reference):
     """Megatron-LM's 3D: T2 x P2 x D2 on 8 ranks, with accumulation and clipping."""
     spec = experiment(data=KJV, strategy=three_d(), workers=8, steps=STEPS, **CLIP)
     _check(run_ranks(8, _run, [(spec, kjv, STEPS)]), reference)
+
+
+def test_pipeline_by_sharded_data_matches_one_process(kjv, reference):
+    """P2 x D2 with each stage sharded over its replicas by FSDP2, with accumulation and clipping."""
+    strategy = {"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}
+    spec = experiment(data=KJV, strategy=strategy, workers=4, steps=STEPS, **CLIP)
+    _check(run_ranks(4, _run, [(spec, kjv, STEPS)]), reference)

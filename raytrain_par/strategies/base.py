@@ -104,6 +104,41 @@ def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, to
     return [{k: chunks[k][i] for k in batch} for i in range(parts)]
 
 
+# -- tensors sharded by FSDP2 (DTensors) ------------------------------------------------------------
+
+def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state dict with sharded states gathered whole (a collective over their mesh)."""
+    state = optimizer.state_dict()
+    state["state"] = {i: {k: whole_tensor(v) for k, v in s.items()} for i, s in state["state"].items()}
+    return state
+
+
+def sliced_optimizer_state(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A whole optimizer state dict cut into this rank's slices of the optimizer's sharded parameters."""
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    state["state"] = {i: {k: slice_like(v, order[int(i)]) for k, v in s.items()} for i, s in state["state"].items()}
+    return state
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (an FSDP-sharded DTensor's local slice; a plain tensor itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def whole_tensor(t):
+    """An FSDP-sharded DTensor gathered whole (a collective over its mesh); anything else as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def slice_like(value, param):
+    """A whole tensor cut into this rank's slice of `param`'s FSDP layout (no communication)."""
+    if param is None or not hasattr(param, "device_mesh") or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
 class Engine(ABC):
     """One way of parallelising training. Subclasses set up `self.module` (what forward runs),
     `self.optimizer`, `self.scheduler`, and override what differs."""

@@ -49,7 +49,8 @@ from ..models.causal_lm import SPLIT_FAMILIES
 from . import tensor_parallel as tp_ops
 from .layout import Layout, check_sharding
 from .pipeline import Schedule
-from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
+from .base import (DistContext, Engine, build_optimizer, load_tensors, local_tensor, lr_factor, slice_like,
+                   sliced_optimizer_state, split_batch, whole_optimizer_state, whole_tensor)
 from .tensor_parallel import TPGroup
 
 # How each split style cuts a layer's parameters: name -> (dim, parts). transformers' Conv1D (GPT-2)
@@ -299,25 +300,6 @@ def _run_attention_in_split_region(lm: nn.Module) -> None:
     lm.set_attn_implementation(name)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor (an FSDP-sharded DTensor's local slice; a plain tensor itself)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _whole(t):
-    """An FSDP-sharded DTensor gathered whole (a collective over its mesh); anything else as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _slice_like(value, param):
-    """A whole tensor cut into this rank's slice of `param`'s FSDP layout (no communication)."""
-    if param is None or not hasattr(param, "device_mesh") or not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-
-
 def _count_ddp_allreduce(engine: "MegatronEngine", bucket):
     """DDP comm hook: PyTorch's default all-reduce, counting the bytes it sends."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -440,7 +422,7 @@ class MegatronEngine(Engine):
             # under fsdp it includes the gathered weights the backward pass needs).
             saved = SavedActivations() if self.activation_bytes is None else None
             with sync:
-                with saved.track(map(_local, self.model.parameters())) if saved else contextlib.nullcontext():
+                with saved.track(map(local_tensor, self.model.parameters())) if saved else contextlib.nullcontext():
                     prepared = self.task.prepare(mb, self.device)
                     with self.autocast():
                         loss = self.module(prepared["input_ids"], prepared["labels"]) / len(micro)
@@ -461,8 +443,8 @@ class MegatronEngine(Engine):
         once; under fsdp each rank holds a slice of every gradient, summed over the data-parallel group
         first. The same coefficient as clip_grad_norm_ on the plain model."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        split = [_local(p.grad) for p in params if self.names[p] in self.splits]
-        replicated = [_local(p.grad) for p in params if self.names[p] not in self.splits]
+        split = [local_tensor(p.grad) for p in params if self.names[p] in self.splits]
+        replicated = [local_tensor(p.grad) for p in params if self.names[p] not in self.splits]
         zero = torch.zeros((), device=self.device)
         squares = torch.stack([torch.nn.utils.get_total_norm(g) ** 2 if g else zero for g in (split, replicated)])
         if self.fsdp:
@@ -511,12 +493,10 @@ class MegatronEngine(Engine):
     def _shard_state(self) -> dict[str, torch.Tensor]:
         """This rank's tensor-parallel shard of the model state, whole over the data-parallel replicas
         (under fsdp an all-gather over them: every rank calls it)."""
-        return {k: _whole(v) for k, v in self.model.state_dict().items()}
+        return {k: whole_tensor(v) for k, v in self.model.state_dict().items()}
 
     def save(self, directory: Path) -> None:
-        optimizer = self.optimizer.state_dict()
-        optimizer["state"] = {i: {k: _whole(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
-        model = self._shard_state()
+        optimizer, model = whole_optimizer_state(self.optimizer), self._shard_state()
         if self.dp_rank != 0:
             return  # every data-parallel replica holds the same shards
         order = [self.names[p] for g in self.optimizer.param_groups for p in g["params"]]
@@ -537,10 +517,8 @@ class MegatronEngine(Engine):
             state = self._resplit(shards)
         if self.fsdp:  # this replica's slices of the whole shard, laid out as the parameters
             params = dict(self.model.named_parameters())
-            state["model"] = {k: _slice_like(v, params.get(k)) for k, v in state["model"].items()}
-            order = [p for g in self.optimizer.param_groups for p in g["params"]]
-            state["optimizer"]["state"] = {i: {k: _slice_like(v, order[int(i)]) for k, v in s.items()}
-                                           for i, s in state["optimizer"]["state"].items()}
+            state["model"] = {k: slice_like(v, params.get(k)) for k, v in state["model"].items()}
+            state["optimizer"] = sliced_optimizer_state(state["optimizer"], self.optimizer)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

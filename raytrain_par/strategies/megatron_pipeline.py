@@ -133,7 +133,8 @@ class MegatronPipelineEngine(PipelineEngine):
         path = self._file(directory)
         if not path.exists():
             written = sorted(p.name for p in Path(directory).glob("megatron-*.pt"))
-            raise FileNotFoundError(f"{path} is missing (the checkpoint holds {', '.join(written) or 'no megatron files'}): "
+            held = ", ".join(written) or "no megatron files"
+            raise FileNotFoundError(f"{path} is missing (the checkpoint holds {held}): "
                                     f"resume with the stages and tensor_parallel it was written with; only the "
                                     "number of data-parallel replicas may change")
         state = load_tensors(path, self.device)

@@ -48,8 +48,9 @@ import torch.distributed.pipelining as pipelining
 from torch import nn
 
 from ..metrics.memory import SavedActivations
-from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
-from .layout import Layout
+from .base import (DistContext, Engine, build_optimizer, load_tensors, local_tensor, lr_factor,
+                   sliced_optimizer_state, split_batch, whole_optimizer_state)
+from .layout import Layout, check_sharding
 from .stages import Busy, Interval, Pipeline, validate_layout
 
 SCHEDULES = {
@@ -74,6 +75,9 @@ class Options:
     virtual_stages: Optional[int] = None  # stages per worker, interleaved-1f1b / zero-bubble (default 2); zbv: 2
     split_points: Optional[list[int]] = None  # layer indices where stages 1.. begin; default: balanced
     balance: Literal["flops", "params"] = "flops"  # what the automatic split balances
+    # How a stage's data-parallel replicas hold it: `none` replicates it (gradients all-reduced), `fsdp`
+    # shards it over them with FSDP2 (parameters, gradients and optimizer state / D per worker)
+    data_parallel_sharding: str = "none"
 
     #: a checkpoint resumes with another number of data-parallel replicas (the same stages): every
     #: replica's stages are the same, so the first replica's files serve them all
@@ -106,6 +110,10 @@ class Options:
                 error("strategy.virtual_stages", self.virtual_stages, "zbv holds exactly 2 stages per worker",
                       "remove it, or use schedule zero-bubble for other counts")
         validate_layout(spec, error, P, P * V, M, self.split_points)
+        check_sharding(self.data_parallel_sharding, ("none", "fsdp"), "strategy.data_parallel_sharding", error)
+        if self.data_parallel_sharding == "fsdp" and spec.train.optimizer == "lamb":
+            error("train.optimizer", "lamb", "data_parallel_sharding fsdp holds slices of every tensor, and LAMB "
+                  "scales each tensor's step by the norm of the whole tensor", "use adamw or sgd")
         if self.schedule in ("1f1b", "zbv") and M < P:
             error("strategy.microbatches", M, f"{self.schedule} needs at least as many microbatches as stages ({P})",
                   f"use {P} or more, or schedule gpipe")
@@ -116,7 +124,7 @@ class Options:
                       f"needs a multiple of the {rounds} rounds", f"use a multiple of {P}, e.g. {rounds * P}")
 
     def layout(self, num_workers: int) -> Layout:
-        return Layout.of(num_workers, pipeline=self.stages)
+        return Layout.of(num_workers, pipeline=self.stages, sharding=self.data_parallel_sharding)
 
     def bubble_theory(self) -> float | None:
         """The idle share of a step in theory, with forward and backward of every stage equally long:
@@ -172,6 +180,8 @@ class PipelineEngine(Engine):
         self.pipeline_options = o = self.schedule_options(options)
         self.pipe = Pipeline(model, self.placement, self.device, o.stages * o.stages_per_worker, o.stages_of,
                              o.split_points, o.balance, train.precision, self.split_layers)
+        if o.data_parallel_sharding == "fsdp" and self.dp_size > 1:
+            self.pipe.shard()
         self.microbatches = o.num_microbatches
         self.busy, self.bubble = Busy(self.device), Interval()
         self.activations = SavedActivations()
@@ -209,7 +219,7 @@ class PipelineEngine(Engine):
             # One autocast region for the whole schedule (the stages enter their own, nested): autocast
             # caches its 16-bit copy of each weight until the outermost region ends, so every
             # microbatch in flight shares one copy instead of holding its own for its backward pass.
-            with self.activations.track(self.module.parameters()), self.autocast():
+            with self.activations.track(map(local_tensor, self.module.parameters())), self.autocast():
                 self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             if losses:
                 total += torch.stack(losses).detach().sum()
@@ -253,16 +263,16 @@ class PipelineEngine(Engine):
         return Path(directory) / f"pipeline-rank{self.pipe.pp_rank}.pt"
 
     def save(self, directory: Path) -> None:
+        model, optimizer = self.pipe.state_dict(), whole_optimizer_state(self.optimizer)  # every replica: gathers
         if self.pipe.dp_rank == 0:
-            torch.save({"split": self.pipe.split, "stages": self.pipe.S, "model": self.pipe.state_dict(),
-                        "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                       self._file(directory))
+            torch.save({"split": self.pipe.split, "stages": self.pipe.S, "model": model, "optimizer": optimizer,
+                        "scheduler": self.scheduler.state_dict()}, self._file(directory))
 
     def load(self, directory: Path) -> None:
         state = load_tensors(stage_file(self._file(directory), self.pipe), self.device)
         check_split(state, self.pipe)
         self.pipe.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(sliced_optimizer_state(state["optimizer"], self.optimizer))
         self.scheduler.load_state_dict(state["scheduler"])
 
     def full_state_dict(self):

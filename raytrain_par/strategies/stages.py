@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import models
-from .base import DTYPES
+from .base import DTYPES, local_tensor, slice_like, whole_tensor
 from .layout import Placement
 
 # -- options shared by the pipeline engines -----------------------------------------------------
@@ -225,6 +225,20 @@ class Pipeline:
                         if (d, t) == (here.data, here.tensor) and self.pp_rank in tie.owners:
                             group = g
             self.tie_groups.append(group)
+        self.sharded = False
+
+    def shard(self) -> None:
+        """FSDP2 over each stage's replicas (`data_parallel_sharding: fsdp`): each layer a unit, then the
+        stage. torch's pipeline stages drive FSDP themselves: gradients are reduce-scattered (averaged)
+        after a step's last backward pass."""
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.placement.mesh["dp"]
+        for module in self.modules.values():
+            for layer in module:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+        self.sharded = True
 
     def tied(self, tie: "Tie") -> list[nn.Parameter]:
         """This rank's copies of a tied parameter (looked up by name: engines may replace parameters)."""
@@ -265,7 +279,7 @@ class Pipeline:
     def reduce_grads(self, params: list[nn.Parameter] | None = None) -> None:
         """Sum the gradients of tied copies (within the pipeline), then average over the stage's replicas."""
         self.sum_tied_grads()
-        if self.D > 1:
+        if self.D > 1 and not self.sharded:  # FSDP has averaged them
             grads = [p.grad for p in (params or self.parameters()) if p.grad is not None]
             works = [dist.all_reduce(g, group=self.dp_group, async_op=True) for g in grads]
             for w in works:
@@ -281,7 +295,7 @@ class Pipeline:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params]
+            grads = [local_tensor(p.grad) for p in params]  # the replicas' slices of a sharded one line up
             total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
             if group is not None:
                 dist.all_reduce(total, group=group)
@@ -291,15 +305,18 @@ class Pipeline:
 
     def clip_grads(self, max_norm: float, params: list[nn.Parameter] | None = None) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient (tied copies counted once), like
-        clip_grad_norm_ on the plain model."""
+        clip_grad_norm_ on the plain model; sharded stages' slices summed over the replicas."""
         params = params or self.parameters()
         copies = {id(self.modules[s].get_parameter(name)) for tie in self.ties for s, name in tie.copies}
-        counted = [p.grad for p in params if p.grad is not None and id(p) not in copies]
+        counted = [local_tensor(p.grad) for p in params if p.grad is not None and id(p) not in copies]
         sq = torch.nn.utils.get_total_norm(counted, 2.0).pow(2) if counted else torch.zeros((), device=self.device)
         sq = sq.to(self.device)
+        if self.sharded:
+            dist.all_reduce(sq, group=self.dp_group)
         dist.all_reduce(sq, group=self.pp_group)
         norm = sq.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s, on local slices
+        torch._foreach_mul_([local_tensor(p.grad) for p in params if p.grad is not None], coefficient)
         return norm
 
     # -- state ----------------------------------------------------------------------------------
@@ -308,12 +325,14 @@ class Pipeline:
         out = {}
         for s, module in self.modules.items():
             for local, value in module.state_dict().items():
-                out[self.names[s][local]] = value
+                out[self.names[s][local]] = whole_tensor(value)  # sharded: gathered over the replicas
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for s, module in self.modules.items():
-            module.load_state_dict({local: state[orig] for local, orig in self.names[s].items()})
+            params = dict(module.named_parameters())
+            module.load_state_dict({local: slice_like(state[orig], params.get(local))
+                                    for local, orig in self.names[s].items()})
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict, gathered from the stages of this rank's pipeline (every rank)."""
