@@ -113,3 +113,27 @@ def test_pipeline_by_sharded_data_matches_one_process(kjv, reference):
     strategy = {"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}
     spec = experiment(data=KJV, strategy=strategy, workers=4, steps=STEPS, **CLIP)
     _check(run_ranks(4, _run, [(spec, kjv, STEPS)]), reference)
+
+
+@pytest.mark.ray
+def test_tensor_by_pipeline_through_ray(ray_cluster, kjv, reference, tmp_path):
+    """T2 x P2 on 4 Ray workers: the per-step losses of one process, evaluation on split logits, a
+    checkpoint per stage and tensor rank, and `raytrain-par export` joining them into a plain GPT-2
+    that scores the run's validation loss."""
+    from engines import exported_val_loss
+    from raytrain_par.driver import run_experiment
+
+    raw = {**experiment(data=KJV, strategy=three_d(), workers=4, steps=STEPS, **CLIP), "output_dir": str(tmp_path)}
+    raw["scaling"]["cpus_per_worker"] = 0.5
+    spec = config.parse(raw)
+    spec.train.eval_every_steps = 1
+    spec.data.max_val_samples = 16
+    result = run_experiment(spec, log=lambda *_: None)
+    assert result.error is None, result.error
+    losses = [r["train_loss"] for r in result.records if r["step"] > 0]
+    assert losses == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+    checkpoints = sorted(p for p in (tmp_path / "parity" / "train").glob("checkpoint_*") if p.is_dir())
+    assert {p.name for p in checkpoints[-1].iterdir()} >= {
+        f"megatron-pp{p}-tp{t}-of-2x2.pt" for p in range(2) for t in range(2)}
+    last = result.records[-1]
+    assert exported_val_loss(result.results_dir, kjv, 16) == pytest.approx(last["val_loss"], abs=1e-5)

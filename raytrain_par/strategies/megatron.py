@@ -362,8 +362,11 @@ class MegatronEngine(Engine):
     @classmethod
     def model_state_bytes(cls, options, train, dp, num_params):
         """`num_params`: one rank's tensor-parallel shard; replicated over the D replicas, or sharded
-        over them by FSDP (data_parallel_sharding)."""
+        over them by FSDP (data_parallel_sharding). None with stages, as for the pipeline engines."""
         from ..metrics.memory import Sharding, StateBytes, model_state_theory, optimizer_state_bytes
+
+        if options.stages > 1:
+            return None
 
         every = options.data_parallel_sharding == "fsdp"
         sharding = Sharding(params=every, grads=every, optim=every)
