@@ -4,7 +4,7 @@ process, in gloo groups."""
 import pytest
 import torch
 
-from engines import experiment, train_steps
+from engines import experiment, exported_val_loss, through_ray, train_steps
 from raytrain_par import config
 from raytrain_par.errors import ConfigError
 from raytrain_par.local_group import run_ranks
@@ -94,12 +94,16 @@ def _check(ranks, ref):
 
 
 def test_tensor_by_pipeline_matches_one_process(kjv, reference):
-    """T2 x P2 on 4 ranks (1F1B, 2 microbatches), with accumulation and clipping."""
+    """T2 x P2 on 4 ranks (1F1B, 2 microbatches), with accumulation and clipping; in bf16 (autocast in
+    each stage over fp32 weights) within bf16's rounding of the fp32 run."""
     spec = experiment(data=KJV, strategy=three_d(), workers=4, steps=STEPS, **CLIP)
-    ranks = run_ranks(4, _run, [(spec, kjv, STEPS)])
+    bf16 = experiment(data=KJV, strategy=three_d(), workers=4, steps=STEPS, precision="bf16", **CLIP)
+    ranks = run_ranks(4, _run, [(spec, kjv, STEPS), (bf16, kjv, STEPS)])
     _check(ranks, reference)
     memory = ranks[0][0]["memory"]
     assert len(memory["stage_param_bytes"]) == 2  # per pipeline rank, as strategy pipeline records
+    fp32, half = ranks[0][0]["losses"], ranks[0][1]["losses"]
+    assert half == pytest.approx(fp32, rel=3e-2) and half != fp32
 
 
 def test_tensor_by_pipeline_by_data_matches_one_process(kjv, reference):
@@ -120,20 +124,9 @@ def test_tensor_by_pipeline_through_ray(ray_cluster, kjv, reference, tmp_path):
     """T2 x P2 on 4 Ray workers: the per-step losses of one process, evaluation on split logits, a
     checkpoint per stage and tensor rank, and `raytrain-par export` joining them into a plain GPT-2
     that scores the run's validation loss."""
-    from engines import exported_val_loss
-    from raytrain_par.driver import run_experiment
-
-    raw = {**experiment(data=KJV, strategy=three_d(), workers=4, steps=STEPS, **CLIP), "output_dir": str(tmp_path)}
-    raw["scaling"]["cpus_per_worker"] = 0.5
-    spec = config.parse(raw)
-    spec.train.eval_every_steps = 1
-    spec.data.max_val_samples = 16
-    result = run_experiment(spec, log=lambda *_: None)
-    assert result.error is None, result.error
-    losses = [r["train_loss"] for r in result.records if r["step"] > 0]
+    result, losses, files = through_ray(experiment(data=KJV, strategy=three_d(), workers=4, steps=STEPS, **CLIP),
+                                        tmp_path)
     assert losses == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
-    checkpoints = sorted(p for p in (tmp_path / "parity" / "train").glob("checkpoint_*") if p.is_dir())
-    assert {p.name for p in checkpoints[-1].iterdir()} >= {
-        f"megatron-pp{p}-tp{t}-of-2x2.pt" for p in range(2) for t in range(2)}
+    assert files >= {f"megatron-pp{p}-tp{t}-of-2x2.pt" for p in range(2) for t in range(2)}
     last = result.records[-1]
     assert exported_val_loss(result.results_dir, kjv, 16) == pytest.approx(last["val_loss"], abs=1e-5)
