@@ -130,3 +130,4 @@ def test_tensor_by_pipeline_through_ray(ray_cluster, kjv, reference, tmp_path):
     assert files >= {f"megatron-pp{p}-tp{t}-of-2x2.pt" for p in range(2) for t in range(2)}
     last = result.records[-1]
     assert exported_val_loss(result.results_dir, kjv, 16) == pytest.approx(last["val_loss"], abs=1e-5)
+    assert (last["pipeline_parallel"], last["tensor_parallel"], last["data_parallel"]) == (2, 2, 1)

@@ -59,6 +59,11 @@ class Layout:
         ranks)."""
         return [self.rank_of(p, data, t) for p in range(self.pipeline) for t in range(self.tensor)]
 
+    def columns(self) -> dict:
+        """The layout in a record (metrics/records.py)."""
+        return {"pipeline_parallel": self.pipeline, "tensor_parallel": self.tensor, "data_parallel": self.data,
+                "data_parallel_sharding": self.sharding}
+
     def describe(self) -> str:
         parts = [f"{n} {v}" for n, v in (("pipeline", self.pipeline), ("tensor", self.tensor)) if v > 1]
         data = f"data {self.data}" + (f" ({self.sharding})" if self.sharding != "none" else "")
