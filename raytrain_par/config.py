@@ -223,8 +223,13 @@ class ExperimentSpec:
 
     # -- derived quantities --------------------------------------------------------------------
     @property
+    def layout(self):
+        """The parallel layout (strategies/layout.py): pipeline, tensor and data-parallel degrees."""
+        return self.strategy.options.layout(self.scaling.num_workers)
+
+    @property
     def data_parallel_size(self) -> int:
-        return self.strategy.options.data_parallel_size(self.scaling.num_workers)
+        return self.layout.data
 
     @property
     def per_worker_batch(self) -> int:

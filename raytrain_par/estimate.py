@@ -122,7 +122,7 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
             # one worker's parameters before data-parallel sharding (its tensor-parallel shard)
             local = models.parameter_count_of(cls.estimate_inputs(*models.build_on_meta(spec.model, info),
                                                                   s.strategy.options)[1])
-            est = cls.model_state_bytes(s.strategy.options, s.train, s.data_parallel_size, local)
+            est = cls.model_state_bytes(s.strategy.options, s.train, s.layout.data, local)
             if est is None:
                 rows.append(Row(name, w, n, 0, 0, 0, 0, 0, note="this strategy gives no estimate"))
                 continue
@@ -131,7 +131,7 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
             if key not in act_cache:
                 act_cache[key] = activation_bytes(spec.model, info, micro, s.train.precision,
                                                   s.train.activation_checkpointing, s.strategy)
-            gathered = 2 * unit if name in ("zero-3", "fsdp") and s.data_parallel_size > 1 else 0
+            gathered = 2 * unit if name in ("zero-3", "fsdp") and s.layout.data > 1 else 0
             rows.append(Row(name, w, n, est.theory, est.expected, est.offloaded, act_cache[key], gathered))
     return rows
 

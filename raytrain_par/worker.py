@@ -201,7 +201,8 @@ class Trainer:
         stop = met and spec.train.stop_at_target
         record = {
             "experiment": spec.name, "trial": self.trial, "strategy": spec.strategy.name,
-            "num_workers": spec.scaling.num_workers, "global_batch_size": spec.train.global_batch_size,
+            "num_workers": spec.scaling.num_workers, **self.engine.layout.columns(),
+            "global_batch_size": spec.train.global_batch_size,
             "epoch": state.step / self.loader.steps_per_epoch, "step": state.step, "samples_seen": state.samples_seen,
             "wall_time_s": state.wall_time_s, "startup_s": self.startup_s, "train_loss": train_loss,
             "val_loss": val["val_loss"], "val_perplexity": val.get("val_perplexity"),

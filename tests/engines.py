@@ -80,3 +80,22 @@ def exported_val_loss(run_dir, info_dict: dict, rows: int, model_spec=None) -> f
     with torch.no_grad():
         sums = task.eval_sums(model.eval(), task.prepare(batch, torch.device("cpu")))
     return float(sums[0] / sums[1])
+
+
+def through_ray(raw: dict, tmp_path, cpus_per_worker: float = 0.5):
+    """Run an experiment (a dict as `experiment` gives) through Ray Train on the session's cluster,
+    evaluating 16 rows after every step; returns the result, its training loss per step and the names
+    of the files in its last checkpoint."""
+    from pathlib import Path
+
+    from raytrain_par.driver import run_experiment
+
+    raw = {**raw, "output_dir": str(tmp_path), "scaling": {**raw["scaling"], "cpus_per_worker": cpus_per_worker}}
+    spec = config.parse(raw)
+    spec.train.eval_every_steps = 1
+    spec.data.max_val_samples = 16
+    result = run_experiment(spec, log=lambda *_: None)
+    assert result.error is None, result.error
+    losses = [r["train_loss"] for r in result.records if r["step"] > 0]
+    checkpoints = sorted(p for p in (Path(tmp_path) / spec.name / "train").glob("checkpoint_*") if p.is_dir())
+    return result, losses, {p.name for p in checkpoints[-1].iterdir()}

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 # Columns every record has, in order. Memory columns (these, and any other `mem_*` column a strategy
 # adds) and the hardware-efficiency figures of PER_WORKER are per worker, reduced by max.
 COLUMNS = [
-    "experiment", "trial", "strategy", "num_workers", "global_batch_size", "epoch", "step", "samples_seen",
+    "experiment", "trial", "strategy", "num_workers", "pipeline_parallel", "tensor_parallel", "data_parallel",
+    "data_parallel_sharding", "global_batch_size", "epoch", "step", "samples_seen",
     "wall_time_s", "elapsed_s", "startup_s", "train_loss", "val_loss", "val_perplexity", "val_accuracy", "lr",
     "throughput", "step_time_s", "eval_time_s", "checkpoint_time_s", "target_met", "timestamp", "started_at",
     "resumed_from_step",

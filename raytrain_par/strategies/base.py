@@ -27,6 +27,7 @@ from ..metrics.goodput import NoiseScale
 from ..metrics.memory import (Sharding, StateBytes, allocated_bytes, model_state_census, model_state_theory,
                               optimizer_state_bytes, peak_bytes, storage_bytes)
 from ..models import checkpoint_activations, parameter_count
+from .layout import Layout, Placement, place
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -103,6 +104,41 @@ def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, to
     return [{k: chunks[k][i] for k in batch} for i in range(parts)]
 
 
+# -- tensors sharded by FSDP2 (DTensors) ------------------------------------------------------------
+
+def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state dict with sharded states gathered whole (a collective over their mesh)."""
+    state = optimizer.state_dict()
+    state["state"] = {i: {k: whole_tensor(v) for k, v in s.items()} for i, s in state["state"].items()}
+    return state
+
+
+def sliced_optimizer_state(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A whole optimizer state dict cut into this rank's slices of the optimizer's sharded parameters."""
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    state["state"] = {i: {k: slice_like(v, order[int(i)]) for k, v in s.items()} for i, s in state["state"].items()}
+    return state
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (an FSDP-sharded DTensor's local slice; a plain tensor itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def whole_tensor(t):
+    """An FSDP-sharded DTensor gathered whole (a collective over its mesh); anything else as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def slice_like(value, param):
+    """A whole tensor cut into this rank's slice of `param`'s FSDP layout (no communication)."""
+    if param is None or not hasattr(param, "device_mesh") or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
 class Engine(ABC):
     """One way of parallelising training. Subclasses set up `self.module` (what forward runs),
     `self.optimizer`, `self.scheduler`, and override what differs."""
@@ -125,6 +161,9 @@ class Engine(ABC):
         self.task, self.train, self.options, self.ctx = task, train, options, ctx
         self.total_steps = total_steps
         self.device = ctx.device
+        # The layout and this rank's groups, first: their communication buffers are not model state.
+        self.layout: Layout = options.layout(ctx.world_size)
+        self.placement: Placement = place(self.layout, ctx.rank, ctx.world_size, ctx.device.type)
         if self.device.type == "cuda" and train.precision == "bf16" and not torch.cuda.is_bf16_supported():
             raise ValueError(f"train.precision = 'bf16': {torch.cuda.get_device_name(self.device)} has no bf16 "
                              "support (it needs compute capability 8.0 or newer); use fp16 or fp32")
@@ -145,18 +184,18 @@ class Engine(ABC):
         on_device = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == self.device.type]
         self._baseline = None if in_use is None else in_use - storage_bytes(on_device)
 
-    # -- data-parallel layout: which slice of each global batch this rank reads ------------------
+    # -- data-parallel layout: which slice of each global batch this rank reads (layout.py) ----------
     @property
     def dp_rank(self) -> int:
-        return self.ctx.rank
+        return self.placement.dp_rank
 
     @property
     def dp_size(self) -> int:
-        return self.ctx.world_size
+        return self.layout.data
 
     @property
     def dp_group(self):
-        return None  # the default group
+        return self.placement.dp_group
 
     def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a metric tensor over the data-parallel ranks (every rank gets the result)."""
@@ -297,7 +336,7 @@ def check_host_memory(spec, engine_cls, options, field_: str, error) -> None:
 
     model, _ = models.build_on_meta(spec.model, data.shape_of(spec.data))
     n = models.parameter_count(model)
-    est = engine_cls.model_state_bytes(options, spec.train, spec.data_parallel_size, n)
+    est = engine_cls.model_state_bytes(options, spec.train, spec.layout.data, n)
     if options.host_memory_gb is not None:
         per_worker, where = options.host_memory_gb * 2**30, f"strategy.host_memory_gb = {options.host_memory_gb:g}"
     else:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..metrics.memory import Sharding, StateBytes
+from .layout import Layout
 from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
 
 
@@ -39,8 +40,8 @@ class Options:
             error("strategy.bucket_cap_mb", self.bucket_cap_mb, "must be > 0", "use e.g. 25 (PyTorch's default)")
 
     @staticmethod
-    def data_parallel_size(num_workers: int) -> int:
-        return num_workers
+    def layout(num_workers: int) -> Layout:
+        return Layout.of(num_workers, sharding="none")
 
 
 def _norm_then_allreduce(engine: "DDPEngine", bucket):

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..metrics.memory import Sharding, StateBytes
+from .layout import Layout
 from .base import DTYPES, DistContext, Engine, build_optimizer, check_host_memory, load_tensors, lr_factor, split_batch
 
 
@@ -63,8 +64,8 @@ class Options:
             check_host_memory(spec, FSDPEngine, self, "strategy.offload", error)
 
     @staticmethod
-    def data_parallel_size(num_workers: int) -> int:
-        return num_workers
+    def layout(num_workers: int) -> Layout:
+        return Layout.of(num_workers, sharding="fsdp")
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:

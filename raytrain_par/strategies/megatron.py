@@ -34,7 +34,7 @@ import contextlib
 import re
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -47,7 +47,10 @@ from ..metrics.memory import SavedActivations
 from ..models import causal_lm
 from ..models.causal_lm import SPLIT_FAMILIES
 from . import tensor_parallel as tp_ops
-from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
+from .layout import Layout, check_sharding
+from .pipeline import Schedule
+from .base import (DistContext, Engine, build_optimizer, load_tensors, local_tensor, lr_factor, slice_like,
+                   sliced_optimizer_state, split_batch, whole_optimizer_state, whole_tensor)
 from .tensor_parallel import TPGroup
 
 # How each split style cuts a layer's parameters: name -> (dim, parts). transformers' Conv1D (GPT-2)
@@ -69,20 +72,44 @@ TP_RNG_OFFSET = 2718  # Megatron-LM's: the attention-dropout seed of tensor-para
 class Options:
     """`strategy:` keys for megatron."""
 
-    tensor_parallel: int  # T: ranks each layer is split over; num_workers = T x data-parallel replicas
+    tensor_parallel: int  # T: ranks each layer is split over; num_workers = T x P x data-parallel replicas
     bucket_cap_mb: float = 25.0  # DDP buckets of the data-parallel gradient all-reduce
     # How the data-parallel replicas hold each tensor-parallel shard: `none` replicates it (DDP,
     # Megatron-LM's layout), `fsdp` shards it again over the replicas with FSDP2 (torchtitan's 2D:
     # parameters, gradients and optimizer state / D per worker; all-gathers and reduce-scatters).
-    data_parallel_sharding: Literal["none", "fsdp"] = "none"
+    data_parallel_sharding: str = "none"
+    # P: pipeline stages, each of them split over T ranks (Megatron-LM's 3D: tensor x pipeline x data).
+    # With stages > 1 the pipeline engine's schedules run the stages (megatron_pipeline.py).
+    stages: int = 1
+    schedule: Schedule = "1f1b"  # as strategy pipeline's (stages > 1)
+    microbatches: Optional[int] = None  # per step and pipeline (default 4 x stages)
+    split_points: Optional[list[int]] = None  # layer indices where stages 1.. begin; default: balanced
 
-    #: a checkpoint loads with another tensor_parallel and worker count (shards are joined and re-cut)
-    checkpoints_reshard = True
+    @property
+    def checkpoints_reshard(self) -> bool:
+        """A checkpoint loads with another tensor_parallel and worker count (shards are joined and re-cut);
+        with stages, with the same stages and tensor_parallel only."""
+        return self.stages == 1
+
+    @property
+    def checkpoints_any_workers(self) -> bool:
+        return True  # with stages: the first replica's files serve every replica
+
+    def pipeline_options(self):
+        """The schedule of the stages, as strategy pipeline's options say it."""
+        from .pipeline import Options as PipelineOptions
+
+        return PipelineOptions(stages=self.stages, schedule=self.schedule, microbatches=self.microbatches,
+                               split_points=self.split_points)
 
     def validate(self, spec, error) -> None:
-        t = self.tensor_parallel
+        t, p = self.tensor_parallel, self.stages
         if t < 1:
             error("strategy.tensor_parallel", t, "must be >= 1", "use e.g. 2")
+        if p < 1:
+            error("strategy.stages", p, "must be >= 1", "use 1 (no pipeline), or e.g. 2")
+        check_sharding(self.data_parallel_sharding, ("none", "fsdp") if p == 1 else ("none",),
+                       "strategy.data_parallel_sharding", error)
         if self.bucket_cap_mb <= 0:
             error("strategy.bucket_cap_mb", self.bucket_cap_mb, "must be > 0", "use e.g. 25 (PyTorch's default)")
         m = spec.model
@@ -105,14 +132,20 @@ class Options:
         if spec.train.precision == "fp16":
             error("train.precision", "fp16", "megatron computes in 16 bits by autocast and has no loss scaler",
                   "use bf16 (autocast, no scaling needed) or fp32")
-        n = spec.scaling.num_workers
-        if n % t:
-            error("scaling.num_workers", n, f"not a multiple of tensor_parallel {t} (workers = tensor x data parallel)",
-                  f"use {_next_multiple(n, t)} workers ({_next_multiple(n, t) // t} data-parallel replicas of {t}), "
-                  f"or a tensor_parallel dividing {n}")
+        n, k = spec.scaling.num_workers, t * p
+        if n % k:
+            what = f"tensor_parallel {t}" if p == 1 else f"tensor_parallel x stages = {t} x {p}"
+            error("scaling.num_workers", n, f"not a multiple of {what} (workers = tensor x pipeline x data parallel)",
+                  f"use {_next_multiple(n, k)} workers ({_next_multiple(n, k) // k} data-parallel replicas of {k}), "
+                  f"or degrees whose product divides {n}")
+        if p > 1:  # the pipeline's own checks: stages against layers, microbatches against rows
+            self.pipeline_options().validate(spec, error)
+        elif (self.schedule, self.microbatches, self.split_points) != ("1f1b", None, None):
+            error("strategy.stages", p, "schedule, microbatches and split_points arrange pipeline stages",
+                  "set stages: 2 or more, or remove them")
 
-    def data_parallel_size(self, num_workers: int) -> int:
-        return num_workers // self.tensor_parallel
+    def layout(self, num_workers: int) -> Layout:
+        return Layout.of(num_workers, self.stages, self.tensor_parallel, self.data_parallel_sharding)
 
 
 def _model_type(m) -> str:
@@ -141,16 +174,12 @@ class TensorParallelLM(nn.Module):
         object.__setattr__(self, "head", head)  # registered once, in the backbone or as lm_head
         self.tp, self.vocab_size = tp, vocab_size
         self.vocab_start = head.start
-        ids = torch.arange(head.start, head.start + head.weight.shape[0])
-        self.register_buffer("padding", ids >= vocab_size, persistent=False)
-        self.padded = head.start + head.weight.shape[0] > vocab_size
+        self.register_buffer("padding", padding_of(head, vocab_size), persistent=False)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """This rank's logits [tokens, vocab/T]."""
         hidden = getattr(self, self.prefix)(input_ids=input_ids, use_cache=False).last_hidden_state
-        logits = torch.mm(tp_ops.copy_to(hidden.flatten(0, 1), self.tp), self.head.weight.t())
-        logits = logits.float()  # the softmax in fp32 also under 16-bit autocast
-        return logits.masked_fill(self.padding, float("-inf")) if self.padded else logits
+        return local_logits(hidden, self.head.weight, self.padding, self.tp)
 
     def token_losses(self, input_ids, labels) -> torch.Tensor:
         return tp_ops.vocab_parallel_cross_entropy(self.logits(input_ids), labels.flatten(), self.vocab_start, self.tp)
@@ -162,12 +191,31 @@ class TensorParallelLM(nn.Module):
 
     @torch.no_grad()
     def eval_sums(self, input_ids, labels) -> torch.Tensor:
-        """[summed loss, tokens, correct next-token predictions], as Task.eval_sums."""
-        logits = self.logits(input_ids)
-        labels = labels.flatten()
-        loss = tp_ops.vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.tp)
-        correct = tp_ops.vocab_parallel_argmax(logits, self.vocab_start, self.tp) == labels
-        return torch.stack([loss.sum(), torch.tensor(float(labels.numel()), device=loss.device), correct.sum().float()])
+        return vocab_parallel_sums(self.logits(input_ids), labels, self.vocab_start, self.tp)
+
+
+def padding_of(head: tp_ops.VocabParallelEmbedding, vocab_size: int) -> torch.Tensor | None:
+    """Which of this rank's vocabulary rows are padding (Megatron pads the vocabulary to a multiple of
+    T), or None where none are."""
+    ids = torch.arange(head.start, head.start + head.weight.shape[0], device=head.weight.device)
+    return ids >= vocab_size if head.start + head.weight.shape[0] > vocab_size else None
+
+
+def local_logits(hidden: torch.Tensor, weight: torch.Tensor, padding: torch.Tensor | None, tp: TPGroup) -> torch.Tensor:
+    """This rank's logits [tokens, vocab/T] of hidden states [..., h], padding rows masked out; in fp32
+    also under 16-bit autocast (the softmax)."""
+    logits = torch.mm(tp_ops.copy_to(hidden.flatten(0, -2), tp), weight.t()).float()
+    return logits.masked_fill(padding, float("-inf")) if padding is not None else logits
+
+
+@torch.no_grad()
+def vocab_parallel_sums(logits: torch.Tensor, labels: torch.Tensor, start: int, tp: TPGroup) -> torch.Tensor:
+    """[summed loss, tokens, correct next-token predictions] of split logits [tokens, vocab/T], as
+    Task.eval_sums."""
+    labels = labels.flatten()
+    loss = tp_ops.vocab_parallel_cross_entropy(logits, labels, start, tp)
+    correct = tp_ops.vocab_parallel_argmax(logits, start, tp) == labels
+    return torch.stack([loss.sum(), torch.tensor(float(labels.numel()), device=loss.device), correct.sum().float()])
 
 
 @dataclass
@@ -252,25 +300,6 @@ def _run_attention_in_split_region(lm: nn.Module) -> None:
     lm.set_attn_implementation(name)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor (an FSDP-sharded DTensor's local slice; a plain tensor itself)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _whole(t):
-    """An FSDP-sharded DTensor gathered whole (a collective over its mesh); anything else as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _slice_like(value, param):
-    """A whole tensor cut into this rank's slice of `param`'s FSDP layout (no communication)."""
-    if param is None or not hasattr(param, "device_mesh") or not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-
-
 def _count_ddp_allreduce(engine: "MegatronEngine", bucket):
     """DDP comm hook: PyTorch's default all-reduce, counting the bytes it sends."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -287,8 +316,42 @@ class _ShapesOnly(TPGroup):
         return t
 
 
+def join_shards(name: str, shards: list[torch.Tensor], splits: dict, vocab_names: set, vocab_size: int) -> torch.Tensor:
+    """A parameter's whole tensor from its T shards (vocabulary padding cut off)."""
+    full = tp_ops.unshard(shards, *splits[name])
+    return full[:vocab_size] if name in vocab_names else full
+
+
+def gather_shards(state: dict[str, torch.Tensor], splits: dict, vocab_names: set, vocab_size: int, tp: TPGroup,
+                  tied_head: str | None, plain_keys: list[str]) -> dict[str, torch.Tensor]:
+    """The plain model's state dict from this rank's shard of it (named as the plain model's), split
+    parameters gathered over the tensor-parallel group (a collective), in the plain model's order."""
+    out = {}
+    for name, p in state.items():
+        if name in splits and tp.size > 1:
+            shards = [torch.empty_like(p) for _ in range(tp.size)]
+            dist.all_gather(shards, p.contiguous(), group=tp.group)
+            out[name] = join_shards(name, shards, splits, vocab_names, vocab_size)
+        elif name in vocab_names:
+            out[name] = p[:vocab_size]
+        else:
+            out[name] = p
+    if tied_head:
+        out[tied_head] = out[next(iter(vocab_names))]
+    return {k: out[k] for k in plain_keys}
+
+
 class MegatronEngine(Engine):
     Options = Options
+
+    def __new__(cls, model, task, train, options: Options, *args, **kwargs):
+        """With stages, the tensor x pipeline x data engine (megatron_pipeline.py), on the pipeline
+        engine's schedules."""
+        if cls is MegatronEngine and options.stages > 1:
+            from .megatron_pipeline import MegatronPipelineEngine
+
+            return MegatronPipelineEngine(model, task, train, options, *args, **kwargs)
+        return super().__new__(cls)
 
     @classmethod
     def estimate_inputs(cls, model, task, options):
@@ -299,8 +362,11 @@ class MegatronEngine(Engine):
     @classmethod
     def model_state_bytes(cls, options, train, dp, num_params):
         """`num_params`: one rank's tensor-parallel shard; replicated over the D replicas, or sharded
-        over them by FSDP (data_parallel_sharding)."""
+        over them by FSDP (data_parallel_sharding). None with stages, as for the pipeline engines."""
         from ..metrics.memory import Sharding, StateBytes, model_state_theory, optimizer_state_bytes
+
+        if options.stages > 1:
+            return None
 
         every = options.data_parallel_sharding == "fsdp"
         sharding = Sharding(params=every, grads=every, optim=every)
@@ -308,20 +374,10 @@ class MegatronEngine(Engine):
         return StateBytes(theory, theory)
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
-        t = options.tensor_parallel
-        if ctx.world_size % t:
-            raise ValueError(f"world size {ctx.world_size} is not a multiple of tensor_parallel {t}")
-        self._dp_size, self._dp_rank = ctx.world_size // t, ctx.rank // t
-        tp_group = self._dp_group = mesh = None
-        if ctx.distributed:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh(ctx.device.type, (self._dp_size, t), mesh_dim_names=("dp", "tp"))
-            tp_group, self._dp_group = mesh.get_group("tp"), mesh.get_group("dp")
-        self.fsdp = options.data_parallel_sharding == "fsdp" and self._dp_size > 1
-        # After the process groups: their communication buffers are not model state.
         super().__init__(model, task, train, options, ctx, total_steps)
-        self.tp = TPGroup(tp_group, t, ctx.rank % t)
+        place = self.placement
+        self.fsdp = options.data_parallel_sharding == "fsdp" and self.dp_size > 1
+        self.tp = TPGroup(place.tp_group, self.layout.tensor, place.tp_rank)
         self.vocab_size = model.config.vocab_size
         self.rng = tp_ops.ParallelRNG(train.seed + TP_RNG_OFFSET + self.tp.rank, self.device)
         self.plain_keys = list(model.state_dict())  # names (and order) of the plain model's state dict
@@ -334,14 +390,15 @@ class MegatronEngine(Engine):
 
             from .fsdp import shard_units
 
+            mesh = place.mesh["dp"] if place.mesh is not None else None  # None: over every worker
             for unit in shard_units(self.model):
-                fully_shard(unit, mesh=mesh["dp"])
-            fully_shard(self.model, mesh=mesh["dp"])
+                fully_shard(unit, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
             self.module = self.model
-        elif self._dp_size > 1:
+        elif self.dp_size > 1:
             self.module = DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                process_group=self._dp_group, bucket_cap_mb=options.bucket_cap_mb, gradient_as_bucket_view=True)
+                process_group=self.dp_group, bucket_cap_mb=options.bucket_cap_mb, gradient_as_bucket_view=True)
             self.module.register_comm_hook(self, _count_ddp_allreduce)
         else:
             self.module = self.model
@@ -351,19 +408,6 @@ class MegatronEngine(Engine):
         self.activation_bytes: int | None = None
         self.step_comm = {"comm_tp_allreduce_bytes_per_step": 0,
                           "comm_dp_allreduce_bytes_per_step": None if self.fsdp else 0}
-
-    # -- layout ------------------------------------------------------------------------------------
-    @property
-    def dp_rank(self) -> int:
-        return self._dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self._dp_size
-
-    @property
-    def dp_group(self):
-        return self._dp_group
 
     # -- training ----------------------------------------------------------------------------------
     def train_step(self, batch):
@@ -381,7 +425,7 @@ class MegatronEngine(Engine):
             # under fsdp it includes the gathered weights the backward pass needs).
             saved = SavedActivations() if self.activation_bytes is None else None
             with sync:
-                with saved.track(map(_local, self.model.parameters())) if saved else contextlib.nullcontext():
+                with saved.track(map(local_tensor, self.model.parameters())) if saved else contextlib.nullcontext():
                     prepared = self.task.prepare(mb, self.device)
                     with self.autocast():
                         loss = self.module(prepared["input_ids"], prepared["labels"]) / len(micro)
@@ -402,8 +446,8 @@ class MegatronEngine(Engine):
         once; under fsdp each rank holds a slice of every gradient, summed over the data-parallel group
         first. The same coefficient as clip_grad_norm_ on the plain model."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        split = [_local(p.grad) for p in params if self.names[p] in self.splits]
-        replicated = [_local(p.grad) for p in params if self.names[p] not in self.splits]
+        split = [local_tensor(p.grad) for p in params if self.names[p] in self.splits]
+        replicated = [local_tensor(p.grad) for p in params if self.names[p] not in self.splits]
         zero = torch.zeros((), device=self.device)
         squares = torch.stack([torch.nn.utils.get_total_norm(g) ** 2 if g else zero for g in (split, replicated)])
         if self.fsdp:
@@ -432,8 +476,7 @@ class MegatronEngine(Engine):
 
     # -- gathering and re-splitting ----------------------------------------------------------------
     def _join(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-        full = tp_ops.unshard(shards, *self.splits[name])
-        return full[:self.vocab_size] if name in self.vocab_names else full
+        return join_shards(name, shards, self.splits, self.vocab_names, self.vocab_size)
 
     def _cut(self, name: str, full: torch.Tensor) -> torch.Tensor:
         if name in self.vocab_names:
@@ -443,19 +486,8 @@ class MegatronEngine(Engine):
 
     def full_state_dict(self):
         """The plain model's state dict (transformers' names, a tied LM head included), on every rank."""
-        out = {}
-        for name, p in self._shard_state().items():
-            if name in self.splits and self.tp.size > 1:
-                shards = [torch.empty_like(p) for _ in range(self.tp.size)]
-                dist.all_gather(shards, p.contiguous(), group=self.tp.group)
-                out[name] = self._join(name, shards)
-            elif name in self.vocab_names:
-                out[name] = p[:self.vocab_size]
-            else:
-                out[name] = p
-        if self.tied_head:
-            out[self.tied_head] = out[next(iter(self.vocab_names))]
-        return {k: out[k] for k in self.plain_keys}
+        return gather_shards(self._shard_state(), self.splits, self.vocab_names, self.vocab_size, self.tp,
+                             self.tied_head, self.plain_keys)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _file(self, rank: int, size: int) -> str:
@@ -464,12 +496,10 @@ class MegatronEngine(Engine):
     def _shard_state(self) -> dict[str, torch.Tensor]:
         """This rank's tensor-parallel shard of the model state, whole over the data-parallel replicas
         (under fsdp an all-gather over them: every rank calls it)."""
-        return {k: _whole(v) for k, v in self.model.state_dict().items()}
+        return {k: whole_tensor(v) for k, v in self.model.state_dict().items()}
 
     def save(self, directory: Path) -> None:
-        optimizer = self.optimizer.state_dict()
-        optimizer["state"] = {i: {k: _whole(v) for k, v in s.items()} for i, s in optimizer["state"].items()}
-        model = self._shard_state()
+        optimizer, model = whole_optimizer_state(self.optimizer), self._shard_state()
         if self.dp_rank != 0:
             return  # every data-parallel replica holds the same shards
         order = [self.names[p] for g in self.optimizer.param_groups for p in g["params"]]
@@ -490,10 +520,8 @@ class MegatronEngine(Engine):
             state = self._resplit(shards)
         if self.fsdp:  # this replica's slices of the whole shard, laid out as the parameters
             params = dict(self.model.named_parameters())
-            state["model"] = {k: _slice_like(v, params.get(k)) for k, v in state["model"].items()}
-            order = [p for g in self.optimizer.param_groups for p in g["params"]]
-            state["optimizer"]["state"] = {i: {k: _slice_like(v, order[int(i)]) for k, v in s.items()}
-                                           for i, s in state["optimizer"]["state"].items()}
+            state["model"] = {k: slice_like(v, params.get(k)) for k, v in state["model"].items()}
+            state["optimizer"] = sliced_optimizer_state(state["optimizer"], self.optimizer)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -68,7 +68,8 @@ from torch.func import functional_call
 
 from ..metrics.memory import SavedActivations
 from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
-from .stages import Busy, Interval, Pipeline, StagedLayout, validate_layout
+from .layout import Layout
+from .stages import Busy, Interval, Pipeline, validate_layout
 
 
 @dataclass
@@ -99,8 +100,8 @@ class Options:
             error("strategy.microbatches", M, f"PipeDream-2BW keeps two weight versions only with at least "
                   f"stages - 1 = {P - 1} microbatches per step", f"use {P} or more")
 
-    def data_parallel_size(self, num_workers: int) -> int:
-        return max(1, num_workers // self.stages)
+    def layout(self, num_workers: int) -> Layout:
+        return Layout.of(num_workers, pipeline=self.stages)
 
 
 def staleness_theory(j: int, lag: int, microbatches: int, two_versions: bool, start: int = 0) -> int:
@@ -122,15 +123,15 @@ class _InFlight:
     params: dict[str, torch.Tensor]  # the weights the forward pass used
 
 
-class PipeDreamEngine(StagedLayout, Engine):
+class PipeDreamEngine(Engine):
     Options = Options
     profiles_steps = False  # sends complete two steps after they are posted (see _wait_for_sends)
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
         super().__init__(model, task, train, options, ctx, total_steps)
         P = options.stages
-        self.pipe = pipe = Pipeline(model, ctx, P, P, lambda p: [p], options.split_points, options.balance,
-                                        train.precision)
+        self.pipe = pipe = Pipeline(model, self.placement, self.device, P, lambda p: [p], options.split_points,
+                                    options.balance, train.precision)
         self.stage = pipe.local[0]
         self.module = pipe.modules[self.stage]
         self.lag = P - 1 - self.stage
@@ -142,7 +143,7 @@ class PipeDreamEngine(StagedLayout, Engine):
         # be in flight between steps, and NCCL matches operations on one communicator in order.
         self.loss_group = self.eval_group = None
         for d in range(pipe.D):
-            ranks = [p * pipe.D + d for p in range(P)]
+            ranks = [self.layout.rank_of(p, d, 0) for p in range(P)]
             loss_group, eval_group = dist.new_group(ranks), dist.new_group(ranks)
             if d == pipe.dp_rank:
                 self.loss_group, self.eval_group = loss_group, eval_group

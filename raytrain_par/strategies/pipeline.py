@@ -48,8 +48,10 @@ import torch.distributed.pipelining as pipelining
 from torch import nn
 
 from ..metrics.memory import SavedActivations
-from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
-from .stages import Busy, Interval, Pipeline, StagedLayout, validate_layout
+from .base import (DistContext, Engine, build_optimizer, load_tensors, local_tensor, lr_factor,
+                   sliced_optimizer_state, split_batch, whole_optimizer_state)
+from .layout import Layout, check_sharding
+from .stages import Busy, Interval, Pipeline, validate_layout
 
 SCHEDULES = {
     "gpipe": pipelining.ScheduleGPipe,
@@ -58,6 +60,7 @@ SCHEDULES = {
     "zero-bubble": pipelining.ScheduleInterleavedZeroBubble,
     "zbv": pipelining.ScheduleZBVZeroBubble,
 }
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"]
 # Schedules that hold several stages per worker (virtual stages).
 MULTI = ("interleaved-1f1b", "zero-bubble", "zbv")
 
@@ -67,11 +70,14 @@ class Options:
     """`strategy:` keys for pipeline."""
 
     stages: int = 2  # P: pipeline ranks; num_workers = P x data-parallel replicas
-    schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv"] = "1f1b"
+    schedule: Schedule = "1f1b"
     microbatches: Optional[int] = None  # M per step and pipeline (default 4 x stages)
     virtual_stages: Optional[int] = None  # stages per worker, interleaved-1f1b / zero-bubble (default 2); zbv: 2
     split_points: Optional[list[int]] = None  # layer indices where stages 1.. begin; default: balanced
     balance: Literal["flops", "params"] = "flops"  # what the automatic split balances
+    # How a stage's data-parallel replicas hold it: `none` replicates it (gradients all-reduced), `fsdp`
+    # shards it over them with FSDP2 (parameters, gradients and optimizer state / D per worker)
+    data_parallel_sharding: str = "none"
 
     #: a checkpoint resumes with another number of data-parallel replicas (the same stages): every
     #: replica's stages are the same, so the first replica's files serve them all
@@ -104,6 +110,10 @@ class Options:
                 error("strategy.virtual_stages", self.virtual_stages, "zbv holds exactly 2 stages per worker",
                       "remove it, or use schedule zero-bubble for other counts")
         validate_layout(spec, error, P, P * V, M, self.split_points)
+        check_sharding(self.data_parallel_sharding, ("none", "fsdp"), "strategy.data_parallel_sharding", error)
+        if self.data_parallel_sharding == "fsdp" and spec.train.optimizer == "lamb":
+            error("train.optimizer", "lamb", "data_parallel_sharding fsdp holds slices of every tensor, and LAMB "
+                  "scales each tensor's step by the norm of the whole tensor", "use adamw or sgd")
         if self.schedule in ("1f1b", "zbv") and M < P:
             error("strategy.microbatches", M, f"{self.schedule} needs at least as many microbatches as stages ({P})",
                   f"use {P} or more, or schedule gpipe")
@@ -113,8 +123,8 @@ class Options:
                 error("strategy.microbatches", M, f"{self.schedule} runs microbatches in rounds of {P} stages and "
                       f"needs a multiple of the {rounds} rounds", f"use a multiple of {P}, e.g. {rounds * P}")
 
-    def data_parallel_size(self, num_workers: int) -> int:
-        return max(1, num_workers // self.stages)
+    def layout(self, num_workers: int) -> Layout:
+        return Layout.of(num_workers, pipeline=self.stages, sharding=self.data_parallel_sharding)
 
     def bubble_theory(self) -> float | None:
         """The idle share of a step in theory, with forward and backward of every stage equally long:
@@ -147,14 +157,31 @@ class _TimedStage(pipelining.PipelineStage):
             return super().backward_weight_one_chunk(*args, **kwargs)
 
 
-class PipelineEngine(StagedLayout, Engine):
+class PipelineEngine(Engine):
     Options = Options
+    #: transforms the whole model in place before the stages take their layers (see stages.Pipeline)
+    split_layers = None
+
+    def schedule_options(self, options) -> Options:
+        """The options of the stages' schedule (an engine built on this one may hold them in its own)."""
+        return options
+
+    def stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one microbatch from the last stage's output."""
+        return self.task.loss_from(logits, labels)
+
+    @property
+    def eval_task(self):
+        """What evaluation's last stage computes its sums with (`sums_from`): the task."""
+        return self.task
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
         super().__init__(model, task, train, options, ctx, total_steps)
-        o = options
-        self.pipe = Pipeline(model, ctx, o.stages, o.stages * o.stages_per_worker, o.stages_of, o.split_points,
-                             o.balance, train.precision)
+        self.pipeline_options = o = self.schedule_options(options)
+        self.pipe = Pipeline(model, self.placement, self.device, o.stages * o.stages_per_worker, o.stages_of,
+                             o.split_points, o.balance, train.precision, self.split_layers)
+        if o.data_parallel_sharding == "fsdp" and self.dp_size > 1:
+            self.pipe.shard()
         self.microbatches = o.num_microbatches
         self.busy, self.bubble = Busy(self.device), Interval()
         self.activations = SavedActivations()
@@ -165,7 +192,7 @@ class PipelineEngine(StagedLayout, Engine):
 
         def loss_fn(logits, labels):
             with self.busy():
-                return task.loss_from(logits, labels) / scale
+                return self.stage_loss(logits, labels) / scale
 
         stages = [_TimedStage(module, s, self.pipe.S, self.device, group=self.pipe.pp_group, busy=self.busy)
                   for s, module in self.pipe.modules.items()]
@@ -192,7 +219,7 @@ class PipelineEngine(StagedLayout, Engine):
             # One autocast region for the whole schedule (the stages enter their own, nested): autocast
             # caches its 16-bit copy of each weight until the outermost region ends, so every
             # microbatch in flight shares one copy instead of holding its own for its backward pass.
-            with self.activations.track(self.module.parameters()), self.autocast():
+            with self.activations.track(map(local_tensor, self.module.parameters())), self.autocast():
                 self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
             if losses:
                 total += torch.stack(losses).detach().sum()
@@ -200,13 +227,16 @@ class PipelineEngine(StagedLayout, Engine):
         self.bubble.add(1.0 - busy / max(time.perf_counter() - t0, 1e-9))
         pipe.reduce_grads()
         if self.train.grad_clip:
-            pipe.clip_grads(self.train.grad_clip)
+            self.clip_grads(self.train.grad_clip)
         self.optimizer_step()
         return pipe.from_last(total)
 
+    def clip_grads(self, max_norm: float) -> torch.Tensor:
+        return self.pipe.clip_grads(max_norm)
+
     @torch.no_grad()
     def evaluate(self, batches):
-        sums = self.dp_sum(self.pipe.eval_sums(batches, self.task))
+        sums = self.dp_sum(self.pipe.eval_sums(batches, self.eval_task))
         return self.task.summarize(*[float(x) for x in sums])
 
     # -- records ----------------------------------------------------------------------------------
@@ -225,7 +255,7 @@ class PipelineEngine(StagedLayout, Engine):
         measured = all(r["bubble"] is not None for r in ranks)  # not before the first step
         out["stage_bubble_fraction"] = [r["bubble"] for r in ranks] if measured else None
         out["bubble_fraction"] = sum(r["bubble"] for r in ranks) / len(ranks) if measured else None
-        out["bubble_theory"] = self.options.bubble_theory()
+        out["bubble_theory"] = self.pipeline_options.bubble_theory()
         return out
 
     # -- checkpoints: each pipeline rank writes its stages (the first replica; the others are equal) --
@@ -233,16 +263,16 @@ class PipelineEngine(StagedLayout, Engine):
         return Path(directory) / f"pipeline-rank{self.pipe.pp_rank}.pt"
 
     def save(self, directory: Path) -> None:
+        model, optimizer = self.pipe.state_dict(), whole_optimizer_state(self.optimizer)  # every replica: gathers
         if self.pipe.dp_rank == 0:
-            torch.save({"split": self.pipe.split, "stages": self.pipe.S, "model": self.pipe.state_dict(),
-                        "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                       self._file(directory))
+            torch.save({"split": self.pipe.split, "stages": self.pipe.S, "model": model, "optimizer": optimizer,
+                        "scheduler": self.scheduler.state_dict()}, self._file(directory))
 
     def load(self, directory: Path) -> None:
         state = load_tensors(stage_file(self._file(directory), self.pipe), self.device)
         check_split(state, self.pipe)
         self.pipe.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(sliced_optimizer_state(state["optimizer"], self.optimizer))
         self.scheduler.load_state_dict(state["scheduler"])
 
     def full_state_dict(self):

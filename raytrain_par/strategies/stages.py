@@ -4,9 +4,10 @@ ranks, weights tied across stages, a forward-only pass for evaluation, and per-s
 `pipeline` (torch.distributed.pipelining's schedules) and `pipedream` (asynchronous, hand-written)
 build a `Pipeline` and differ only in how they run training steps on it.
 
-Layout. num_workers = P x D ranks form a grid built once with torch's DeviceMesh: rank = p * D + d
-for pipeline rank p and data-parallel replica d, so the D replicas of one stage are neighbouring
-ranks (one node, for their gradient all-reduce) and the stages of one pipeline talk point to point.
+Layout. The engine's `Placement` (layout.py) says which ranks form this rank's pipeline (`pp_group`)
+and which hold replicas of its stages (`dp_group`): with num_workers = P x D, rank = p * D + d for
+pipeline rank p and data-parallel replica d, so the D replicas of one stage are neighbouring ranks
+(one node, for their gradient all-reduce) and the stages of one pipeline talk point to point.
 
 Split. Models list their layers (models.pipeline_layers: GPT-2 embeddings / blocks / norm + head,
 Llama-style embeddings / decoder layers / norm + head, VGG convolutions / classifier layers); a stage is a contiguous run of layers. The split balances
@@ -32,11 +33,11 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import models
-from .base import DTYPES, DistContext
+from .base import DTYPES, local_tensor, slice_like, whole_tensor
+from .layout import Placement
 
 # -- options shared by the pipeline engines -----------------------------------------------------
 
@@ -137,42 +138,24 @@ def partition(costs: list[float], parts: int) -> list[int]:
     return sorted(points)[1:]
 
 
-class StagedLayout:
-    """The data-parallel layout of engines built on a `Pipeline` (mixed in before `Engine`): every
-    stage of one pipeline reads the same rows, and replicas of a stage form the data-parallel group."""
-
-    pipe: "Pipeline"
-
-    @property
-    def dp_rank(self) -> int:
-        return self.pipe.dp_rank
-
-    @property
-    def dp_size(self) -> int:
-        return self.pipe.D
-
-    @property
-    def dp_group(self):
-        return self.pipe.dp_group
-
-
 class Pipeline:
-    """A model split into `num_stages` stages over the (pipeline x data) grid; this rank's stages.
+    """A model split into `num_stages` stages over the pipeline ranks of a placement; this rank's stages.
 
     `stages_of(p)` lists the stage indices pipeline rank p holds (one, or several for interleaved
     schedules). Only this rank's stages are kept (moved to the device); the rest of the model is
-    dropped with the caller's reference to it."""
+    dropped with the caller's reference to it. `split_layers(model)`, if given, transforms the whole
+    model in place after the split is chosen and before the stages take their layers (megatron's
+    tensor parallel inside each stage); the split is measured on the plain model."""
 
-    def __init__(self, model: nn.Module, ctx: DistContext, pipeline_ranks: int, num_stages: int,
+    def __init__(self, model: nn.Module, placement: Placement, device: torch.device, num_stages: int,
                  stages_of: Callable[[int], list[int]], split_points: list[int] | None = None,
-                 balance: str = "flops", precision: str = "fp32"):
-        P, S = pipeline_ranks, num_stages
-        if ctx.world_size % P:
-            raise ValueError(f"{ctx.world_size} workers do not split into pipelines of {P} ranks")
-        self.P, self.D, self.S, self.device = P, ctx.world_size // P, S, ctx.device
-        self.pp_rank, self.dp_rank = divmod(ctx.rank, self.D)
-        mesh = init_device_mesh(ctx.device.type, (P, self.D), mesh_dim_names=("pp", "dp"))
-        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+                 balance: str = "flops", precision: str = "fp32",
+                 split_layers: Callable[[nn.Module], None] | None = None):
+        layout, S = placement.layout, num_stages
+        self.placement, self.P, self.D, self.S, self.device = placement, layout.pipeline, layout.data, S, device
+        P = self.P
+        self.pp_rank, self.dp_rank = placement.pp_rank, placement.dp_rank
+        self.pp_group, self.dp_group = placement.pp_group, placement.dp_group
         self.owner = {s: p for p in range(P) for s in stages_of(p)}
         assert sorted(self.owner) == list(range(S)), "every stage needs exactly one pipeline rank"
         self.local = sorted(stages_of(self.pp_rank))
@@ -185,7 +168,10 @@ class Pipeline:
         self.layer_ranges = [(bounds[s], bounds[s + 1]) for s in range(S)]
         # What each stage sends on: (shape of one sample, dtype); a message of b rows is [b, *shape].
         self.outputs = [outputs[b - 1] for _, b in self.layer_ranges]
-        every = [Stage(*layers[a:b], out_dtype=self.outputs[s][1], device_type=ctx.device.type, precision=precision)
+        if split_layers is not None:
+            split_layers(model)
+            layers = models.pipeline_layers(model)
+        every = [Stage(*layers[a:b], out_dtype=self.outputs[s][1], device_type=device.type, precision=precision)
                  for s, (a, b) in enumerate(self.layer_ranges)]
 
         # Original names of each stage's state (by the model's own module paths) and tied parameters.
@@ -226,16 +212,33 @@ class Pipeline:
         self.modules: dict[int, nn.Module] = {s: every[s].to(self.device) for s in self.local}
         del every, layers, slots, holders
 
-        # Every rank creates every group, in the same order (new_group is collective over the world).
+        # Every rank creates every group, in the same order (new_group is collective over the world):
+        # the ranks holding a tie's copies in each pipeline (one per data-parallel and tensor rank).
         self.tie_groups = []
+        here = placement.coordinates
         for tie in self.ties:
             group = None
             if len(tie.owners) > 1:
                 for d in range(self.D):
-                    g = dist.new_group([p * self.D + d for p in tie.owners])
-                    if d == self.dp_rank and self.pp_rank in tie.owners:
-                        group = g
+                    for t in range(layout.tensor):
+                        g = dist.new_group([layout.rank_of(p, d, t) for p in tie.owners])
+                        if (d, t) == (here.data, here.tensor) and self.pp_rank in tie.owners:
+                            group = g
             self.tie_groups.append(group)
+        self.sharded = False
+
+    def shard(self) -> None:
+        """FSDP2 over each stage's replicas (`data_parallel_sharding: fsdp`): each layer a unit, then the
+        stage. torch's pipeline stages drive FSDP themselves: gradients are reduce-scattered (averaged)
+        after a step's last backward pass."""
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.placement.mesh["dp"]
+        for module in self.modules.values():
+            for layer in module:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(module, mesh=mesh)
+        self.sharded = True
 
     def tied(self, tie: "Tie") -> list[nn.Parameter]:
         """This rank's copies of a tied parameter (looked up by name: engines may replace parameters)."""
@@ -276,7 +279,7 @@ class Pipeline:
     def reduce_grads(self, params: list[nn.Parameter] | None = None) -> None:
         """Sum the gradients of tied copies (within the pipeline), then average over the stage's replicas."""
         self.sum_tied_grads()
-        if self.D > 1:
+        if self.D > 1 and not self.sharded:  # FSDP has averaged them
             grads = [p.grad for p in (params or self.parameters()) if p.grad is not None]
             works = [dist.all_reduce(g, group=self.dp_group, async_op=True) for g in grads]
             for w in works:
@@ -292,7 +295,7 @@ class Pipeline:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in params]
+            grads = [local_tensor(p.grad) for p in params]  # the replicas' slices of a sharded one line up
             total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
             if group is not None:
                 dist.all_reduce(total, group=group)
@@ -302,15 +305,18 @@ class Pipeline:
 
     def clip_grads(self, max_norm: float, params: list[nn.Parameter] | None = None) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient (tied copies counted once), like
-        clip_grad_norm_ on the plain model."""
+        clip_grad_norm_ on the plain model; sharded stages' slices summed over the replicas."""
         params = params or self.parameters()
         copies = {id(self.modules[s].get_parameter(name)) for tie in self.ties for s, name in tie.copies}
-        counted = [p.grad for p in params if p.grad is not None and id(p) not in copies]
+        counted = [local_tensor(p.grad) for p in params if p.grad is not None and id(p) not in copies]
         sq = torch.nn.utils.get_total_norm(counted, 2.0).pow(2) if counted else torch.zeros((), device=self.device)
         sq = sq.to(self.device)
+        if self.sharded:
+            dist.all_reduce(sq, group=self.dp_group)
         dist.all_reduce(sq, group=self.pp_group)
         norm = sq.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s, on local slices
+        torch._foreach_mul_([local_tensor(p.grad) for p in params if p.grad is not None], coefficient)
         return norm
 
     # -- state ----------------------------------------------------------------------------------
@@ -319,12 +325,14 @@ class Pipeline:
         out = {}
         for s, module in self.modules.items():
             for local, value in module.state_dict().items():
-                out[self.names[s][local]] = value
+                out[self.names[s][local]] = whole_tensor(value)  # sharded: gathered over the replicas
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for s, module in self.modules.items():
-            module.load_state_dict({local: state[orig] for local, orig in self.names[s].items()})
+            params = dict(module.named_parameters())
+            module.load_state_dict({local: slice_like(state[orig], params.get(local))
+                                    for local, orig in self.names[s].items()})
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict, gathered from the stages of this rank's pipeline (every rank)."""

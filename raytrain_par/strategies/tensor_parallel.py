@@ -43,7 +43,9 @@ class TPGroup:
     bytes_reduced: int = field(default=0)
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.size > 1:
+        # Not on meta tensors: torch's pipeline schedules infer stage shapes by running them on meta
+        # tensors, and the sums keep shapes.
+        if self.size > 1 and not t.is_meta:
             self.bytes_reduced += t.numel() * t.element_size()
             dist.all_reduce(t, op=op, group=self.group)
         return t

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..metrics.memory import Sharding, StateBytes, model_state_census, optimizer_state_bytes, optimizer_tensors
+from .layout import Layout
 from .base import (DTYPES, DistContext, Engine, build_optimizer, check_host_memory, load_tensors, lr_factor,
                    split_batch)
 
@@ -84,8 +85,8 @@ class Options:
         check_host_memory(spec, ZeroEngine.for_stage(STAGES[spec.strategy.name]), self, field_, error)
 
     @staticmethod
-    def data_parallel_size(num_workers: int) -> int:
-        return num_workers
+    def layout(num_workers: int) -> Layout:
+        return Layout.of(num_workers, sharding="zero")
 
 
 STAGES = {"zero-1": 1, "zero-2": 2, "zero-3": 3}

@@ -1,0 +1,145 @@
+"""Megatron-LM's 3D layout: tensor x pipeline x data parallel (strategy megatron with `stages: P > 1`).
+
+num_workers = P x T x D. Rank r sits at (pipeline p, data d, tensor t) with r = (p * D + d) * T + t
+(layout.py): the T ranks splitting one stage's layers are neighbours, then the stage's D replicas,
+then the P stages of a pipeline.
+
+The parallelisms are applied to the plain model in one fixed order, as torchtitan does:
+1. tensor parallel inside each stage: the whole model is split by its family's plan (megatron.py's
+   `split_lm`: heads, MLP units and vocabulary rows over T ranks), and its LM head becomes one that
+   gives the logits of this rank's vocabulary slice;
+2. pipeline: the pipeline engine's split (stages.Pipeline; the split points are measured on the plain
+   model, so they are those of strategy pipeline) and its schedules (torch.distributed.pipelining),
+   on the pipeline group of this rank's data and tensor coordinates; the token embedding tied to the
+   LM head is untied across stages as there, its copies' gradients summed per tensor rank;
+3. data parallel: each stage's gradients averaged over its D replicas by an explicit all-reduce (as
+   the pipeline engine does; DDP fails around torch's schedules).
+
+The last stage's loss is the vocabulary-parallel cross-entropy of megatron, so no rank holds the full
+logits. Gradient clipping takes the norm of the whole model's gradient with every parameter counted
+once: split parameters' squares summed over the tensor group, replicated ones (layer norms, position
+embeddings, row-parallel biases; identical on the T ranks) once, the untied copy of the embedding
+not at all, then summed over the pipeline.
+
+Checkpoints: the first data-parallel replica's P x T ranks each write their stages' shard under the
+plain model's names; a run resumes with the same stages and tensor_parallel (any number of replicas).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import tensor_parallel as tp_ops
+from .base import load_tensors
+from .megatron import TP_RNG_OFFSET, gather_shards, local_logits, padding_of, split_lm, vocab_parallel_sums
+from .pipeline import PipelineEngine, check_split
+from .tensor_parallel import TPGroup
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head on the last stage: this rank's logits [b, s, vocab/T]. Holds the vocabulary rows'
+    parameter itself (the token embedding's, when they are tied), so that the pipeline sees the tie."""
+
+    def __init__(self, head: tp_ops.VocabParallelEmbedding, vocab_size: int):
+        super().__init__()
+        self.weight, self.start, self.tp = head.weight, head.start, head.tp
+        self.register_buffer("padding", padding_of(head, vocab_size), persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return local_logits(hidden, self.weight, self.padding, self.tp).view(*hidden.shape[:-1], -1)
+
+
+class _SplitVocabularyTask:
+    """The task, with evaluation's sums taken from split logits."""
+
+    def __init__(self, task, start: int, tp: TPGroup):
+        self.task, self.start, self.tp = task, start, tp
+
+    def __getattr__(self, name):
+        return getattr(self.task, name)
+
+    def sums_from(self, logits, labels):
+        return vocab_parallel_sums(logits.flatten(0, -2), labels, self.start, self.tp)
+
+
+class MegatronPipelineEngine(PipelineEngine):
+    """Built by MegatronEngine for `stages > 1` (its Options)."""
+
+    def __init__(self, model: nn.Module, task, train, options, ctx, total_steps: int):
+        self.vocab_size = model.config.vocab_size
+        self.plain_keys = list(model.state_dict())  # names (and order) of the plain model's state dict
+        super().__init__(model, task, train, options, ctx, total_steps)
+        self.names = {id(p): self.pipe.names[s][n] for s, m in self.pipe.modules.items()
+                      for n, p in m.named_parameters()}
+
+    def schedule_options(self, options):
+        return options.pipeline_options()
+
+    def split_layers(self, lm: nn.Module) -> None:
+        """Tensor parallel first, on the whole model: every layer split, the LM head made vocabulary-parallel."""
+        place = self.placement
+        self.tp = TPGroup(place.tp_group, self.layout.tensor, place.tp_rank)
+        self.rng = tp_ops.ParallelRNG(self.train.seed + TP_RNG_OFFSET + self.tp.rank, self.device)
+        split = split_lm(lm, self.tp, self.rng)
+        self.splits, self.vocab_names, self.tied_head = split.cuts, split.vocab, split.tied_head
+        self.head_start = split.model.vocab_start
+        lm.lm_head = VocabParallelHead(split.model.head, self.vocab_size)
+
+    def stage_loss(self, logits, labels):
+        return tp_ops.vocab_parallel_cross_entropy(logits.flatten(0, -2), labels.flatten(), self.head_start,
+                                                   self.tp).mean()
+
+    @property
+    def eval_task(self):
+        return _SplitVocabularyTask(self.task, self.head_start, self.tp)
+
+    def clip_grads(self, max_norm: float) -> torch.Tensor:
+        """One norm over tensor, pipeline and data dimensions, each parameter once (module docstring)."""
+        params = self.pipe.parameters()
+        copies = {id(self.pipe.modules[s].get_parameter(name)) for tie in self.pipe.ties for s, name in tie.copies}
+        counted = [p for p in params if p.grad is not None and id(p) not in copies]
+        split = [p.grad for p in counted if self.names[id(p)] in self.splits]
+        replicated = [p.grad for p in counted if self.names[id(p)] not in self.splits]
+        zero = torch.zeros((), device=self.device)
+        squares = [torch.nn.utils.get_total_norm(g).pow(2).to(self.device) if g else zero for g in (split, replicated)]
+        total = self.tp.all_reduce(squares[0].clone()) + squares[1]
+        dist.all_reduce(total, group=self.pipe.pp_group)
+        norm = total.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    # -- state ------------------------------------------------------------------------------------
+    def full_state_dict(self):
+        """The plain model's state dict: the stages gathered over the pipeline, then the shards over the
+        tensor group (every rank)."""
+        return gather_shards(self.pipe.full_state_dict(), self.splits, self.vocab_names, self.vocab_size, self.tp,
+                             self.tied_head, self.plain_keys)
+
+    def _file(self, directory: Path) -> Path:
+        p, t = self.placement.pp_rank, self.placement.tp_rank
+        return Path(directory) / f"megatron-pp{p}-tp{t}-of-{self.layout.pipeline}x{self.layout.tensor}.pt"
+
+    def save(self, directory: Path) -> None:
+        if self.dp_rank == 0:
+            torch.save({"split": self.pipe.split, "stages": self.pipe.S, "model": self.pipe.state_dict(),
+                        "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "rng": self.rng.state}, self._file(directory))
+
+    def load(self, directory: Path) -> None:
+        path = self._file(directory)
+        if not path.exists():
+            written = sorted(p.name for p in Path(directory).glob("megatron-*.pt"))
+            held = ", ".join(written) or "no megatron files"
+            raise FileNotFoundError(f"{path} is missing (the checkpoint holds {held}): "
+                                    f"resume with the stages and tensor_parallel it was written with; only the "
+                                    "number of data-parallel replicas may change")
+        state = load_tensors(path, self.device)
+        check_split(state, self.pipe)
+        self.pipe.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.rng.state = state["rng"].cpu()

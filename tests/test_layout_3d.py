@@ -1,0 +1,133 @@
+"""The parallel layout (strategies/layout.py) and megatron's tensor x pipeline x data layout against one
+process, in gloo groups."""
+
+import pytest
+import torch
+
+from engines import experiment, exported_val_loss, through_ray, train_steps
+from raytrain_par import config
+from raytrain_par.errors import ConfigError
+from raytrain_par.local_group import run_ranks
+from raytrain_par.strategies.layout import Layout
+
+# Short rows of a small vocabulary: cheap steps through every piece of a GPT-2 (tied embedding, blocks).
+KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
+STEPS = 3
+# accumulation, clipping (one norm over every dimension), decay and a schedule
+CLIP = {"gradient_accumulation_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "warmup_steps": 1,
+        "lr_schedule": "cosine"}
+
+
+def three_d(stages=2, tensor=2, **more):
+    return {"name": "megatron", "tensor_parallel": tensor, "stages": stages, "microbatches": 2, **more}
+
+
+# -- the layout ------------------------------------------------------------------------------------
+
+def test_rank_order_keeps_tensor_groups_adjacent():
+    layout = Layout(pipeline=2, tensor=2, data=2)
+    coords = [layout.coordinates(r) for r in range(8)]
+    assert [layout.rank_of(*c) for c in coords] == list(range(8))
+    assert [(c.pipeline, c.data, c.tensor) for c in coords[:4]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert layout.readers(1) == [2, 3, 6, 7]  # both stages and both tensor ranks of replica 1
+
+
+@pytest.mark.parametrize("strategy,workers,want", [
+    ("ddp", 4, Layout(1, 1, 4)),
+    ("zero-2", 4, Layout(1, 1, 4, "zero")),
+    ({"name": "megatron", "tensor_parallel": 2, "data_parallel_sharding": "fsdp"}, 4, Layout(1, 2, 2, "fsdp")),
+    (three_d(), 8, Layout(2, 2, 2)),
+    ({"name": "pipeline", "stages": 2, "microbatches": 2}, 4, Layout(2, 1, 2)),
+    ({"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}, 4, Layout(2, 1, 2, "fsdp")),
+])
+def test_every_strategy_states_its_layout(strategy, workers, want):
+    spec = config.parse(experiment(strategy=strategy, workers=workers, batch=16))
+    assert spec.layout == want
+    assert spec.per_worker_batch == 16 // want.data
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy,workers,field,words", [
+    (three_d(), 6, "scaling.num_workers", "tensor_parallel x stages = 2 x 2"),
+    (three_d(stages=5), 10, "strategy.stages", "has 4 layers"),
+    (three_d(microbatches=3), 8, "strategy.microbatches", "does not divide the 8 rows"),
+    (three_d(data_parallel_sharding="fsdp"), 8, "strategy.data_parallel_sharding", "supported layouts"),
+    ({"name": "megatron", "tensor_parallel": 2, "data_parallel_sharding": "zero-1"}, 4,
+     "strategy.data_parallel_sharding", "ZeRO is a strategy of its own"),
+    ({"name": "megatron", "tensor_parallel": 2, "microbatches": 4}, 2, "strategy.stages", "arrange pipeline stages"),
+    ({"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "zero-3"}, 4,
+     "strategy.data_parallel_sharding", "ZeRO is a strategy of its own"),
+    (three_d(stages=0), 2, "strategy.stages", "must be >= 1"),
+])
+def test_bad_layouts_are_rejected_before_start(strategy, workers, field, words):
+    with pytest.raises(ConfigError) as e:
+        config.parse(experiment(data=KJV, strategy=strategy, workers=workers, batch=16))
+    assert e.value.field == field and words in e.value.problem and e.value.fix
+
+
+# -- tensor x pipeline x data against one process ----------------------------------------------------
+
+def _run(rank, world, cases):
+    return [train_steps(rank, world, *case) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def kjv(info):
+    return info(**KJV)
+
+
+@pytest.fixture(scope="module")
+def reference(kjv):
+    (out,) = run_ranks(1, _run, [(experiment(data=KJV, workers=1, steps=STEPS, **CLIP), kjv, STEPS)])
+    return out[0]
+
+
+def _check(ranks, ref):
+    assert ref["losses"][-1] < ref["losses"][0]
+    for r in ranks:
+        assert r[0]["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
+    state = ranks[0][0]["state"]
+    assert list(state) == list(ref["state"])  # transformers' names, in order
+    for name, want in ref["state"].items():
+        torch.testing.assert_close(state[name], want, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_tensor_by_pipeline_matches_one_process(kjv, reference):
+    """T2 x P2 on 4 ranks (1F1B, 2 microbatches), with accumulation and clipping; in bf16 (autocast in
+    each stage over fp32 weights) within bf16's rounding of the fp32 run."""
+    spec = experiment(data=KJV, strategy=three_d(), workers=4, steps=STEPS, **CLIP)
+    bf16 = experiment(data=KJV, strategy=three_d(), workers=4, steps=STEPS, precision="bf16", **CLIP)
+    ranks = run_ranks(4, _run, [(spec, kjv, STEPS), (bf16, kjv, STEPS)])
+    _check(ranks, reference)
+    memory = ranks[0][0]["memory"]
+    assert len(memory["stage_param_bytes"]) == 2  # per pipeline rank, as strategy pipeline records
+    fp32, half = ranks[0][0]["losses"], ranks[0][1]["losses"]
+    assert half == pytest.approx(fp32, rel=3e-2) and half != fp32
+
+
+def test_tensor_by_pipeline_by_data_matches_one_process(kjv, reference):
+    """Megatron-LM's 3D: T2 x P2 x D2 on 8 ranks, with accumulation and clipping."""
+    spec = experiment(data=KJV, strategy=three_d(), workers=8, steps=STEPS, **CLIP)
+    _check(run_ranks(8, _run, [(spec, kjv, STEPS)]), reference)
+
+
+def test_pipeline_by_sharded_data_matches_one_process(kjv, reference):
+    """P2 x D2 with each stage sharded over its replicas by FSDP2, with accumulation and clipping."""
+    strategy = {"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}
+    spec = experiment(data=KJV, strategy=strategy, workers=4, steps=STEPS, **CLIP)
+    _check(run_ranks(4, _run, [(spec, kjv, STEPS)]), reference)
+
+
+@pytest.mark.ray
+def test_tensor_by_pipeline_through_ray(ray_cluster, kjv, reference, tmp_path):
+    """T2 x P2 on 4 Ray workers: the per-step losses of one process, evaluation on split logits, a
+    checkpoint per stage and tensor rank, and `raytrain-par export` joining them into a plain GPT-2
+    that scores the run's validation loss."""
+    result, losses, files = through_ray(experiment(data=KJV, strategy=three_d(), workers=4, steps=STEPS, **CLIP),
+                                        tmp_path)
+    assert losses == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+    assert files >= {f"megatron-pp{p}-tp{t}-of-2x2.pt" for p in range(2) for t in range(2)}
+    last = result.records[-1]
+    assert exported_val_loss(result.results_dir, kjv, 16) == pytest.approx(last["val_loss"], abs=1e-5)
+    assert (last["pipeline_parallel"], last["tensor_parallel"], last["data_parallel"]) == (2, 2, 1)
