@@ -31,9 +31,11 @@ pytestmark = pytest.mark.ray
 
 BIN = Path(sys.executable).parent
 IDLE_TIMEOUT_MIN = 0.1  # the test copy's idle_timeout_minutes: 6 s
-# A lost node is found dead in about 2 s (Ray's defaults: 3 s x 5 health checks): the elastic test waits for it.
+# A lost node is found dead in about 2 s (Ray's defaults: 3 s x 5 health checks), and a worker group that
+# cannot be placed (Ray Train first asks again for the size it had) is given up after 20 s, not 60: the
+# elastic test waits for both.
 FAST_FAILURE_DETECTION = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
-                          "RAY_health_check_failure_threshold": "2"}
+                          "RAY_health_check_failure_threshold": "2", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
 
 
 @dataclass
@@ -219,8 +221,9 @@ def test_failing_job_is_reported_failed(head, tmp_path):
 
 
 def test_elastic_job_keeps_training_when_a_node_goes(head, tmp_path, info):
-    """An elastic run of [1, 2] workers, each a whole 2-CPU node the autoscaler adds: one node's raylet
-    is killed mid-run; training goes on with one worker from the latest checkpoint, without waiting for
+    """An elastic run of [1, 2] workers, each a whole 2-CPU node the autoscaler adds (the run starts on
+    one if one node is up first, and grows when the second comes): once it trains on two, one node's
+    raylet is killed; training goes on with one worker from the latest checkpoint, without waiting for
     a replacement, and trains the losses of one process on the same global batches, no record lost or
     repeated."""
     from engines import train_steps
@@ -257,7 +260,9 @@ def test_elastic_job_keeps_training_when_a_node_goes(head, tmp_path, info):
 
     final = records()
     assert [r["step"] for r in final] == list(range(0, steps + 1, every))  # none lost or repeated
-    assert final[1]["num_workers"] == 2 and final[-1]["num_workers"] == 1
+    workers = [r["num_workers"] for r in final[1:]]
+    print(f"workers per evaluation: {workers}")  # 1 first when one node came up before the other
+    assert 2 in workers and workers[-1] == 1
     spec = load_experiment(REPO / "experiments" / "quickstart.yaml", [*train, "scaling.num_workers=1"])
     data = info("kjv", seq_len=spec.data.seq_len, vocab_size=spec.data.vocab_size)
     losses = run_ranks(1, train_steps, spec.to_dict(), data, steps)[0]["losses"]
