@@ -9,7 +9,7 @@ replaces the worker group and the loop resumes from the latest intact checkpoint
     python benchmarks/recovery.py --elastic [--steps 40]
 
 `--elastic` measures an elastic run (`scaling.num_workers: [1, 2]`) on a two-node cluster on this
-machine: the embedded head holds one worker, a second Ray node (`ray start --address`) the other.
+machine: a head of its own (`ray start --head`) holds one worker, a second Ray node (`ray start --address`) the other.
 Once the run has passed `--kill-after` steps the second node is stopped (its raylet and workers
 killed, as a machine that vanishes); training continues on one worker; then the node is started
 again and the run grows back to two. It prints the time from the node loss to training resumed, the
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -84,15 +85,40 @@ def measure(strategy: str, a, work: Path) -> dict:
             "final_step": records[-1]["step"]}
 
 
-def start_node(cpus: int) -> subprocess.Popen:
-    """A second Ray node on this machine, joined to the running cluster. The embedded cluster listens on
-    the loopback address only (single-machine mode), which Ray allows other nodes to join when asked."""
-    from ray._private import ray_constants
+def start_head(cpus: int, work: Path) -> subprocess.Popen:
+    """A Ray head of this machine's own (`ray start --head`) that other nodes can join: an embedded
+    cluster listens on the loopback address only, which a second node cannot reach. Its processes run
+    in a session of their own, which `stop_node` ends. This process then connects to it."""
+    from raytrain_par.local_group import free_port
 
-    env = {**os.environ, ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR: "1", "RAY_AUTH_MODE": "token"}
+    port = free_port()
+    token = work / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))  # this process and the nodes
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                             "--disable-usage-stats", f"--port={port}", f"--num-cpus={cpus}",
+                             "--dashboard-host=127.0.0.1"], env=os.environ, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    from ray._private.services import get_node_ip_address
+
+    address = f"{get_node_ip_address()}:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            ray.init(address=address, runtime_env={"env_vars": worker_env()}, logging_level="ERROR")
+            return head
+        except (ConnectionError, RuntimeError):
+            if head.poll() is not None or time.time() > deadline:
+                stop_node(head)
+                raise RuntimeError(f"the Ray head at {address} did not start within 120 s") from None
+            time.sleep(1)
+
+
+def start_node(cpus: int) -> subprocess.Popen:
+    """A second Ray node on this machine, joined to the running cluster."""
     node = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
-                             f"--address={ray.get_runtime_context().gcs_address}", "--node-ip-address=127.0.0.1",
-                             f"--num-cpus={cpus}"], env=env, start_new_session=True,
+                             f"--address={ray.get_runtime_context().gcs_address}", f"--num-cpus={cpus}"],
+                            env=os.environ, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while len([n for n in ray.nodes() if n["Alive"]]) < 2:
@@ -179,8 +205,13 @@ def main() -> None:
     a.steps = a.steps or (40 if a.elastic else 16)
     if a.elastic:
         # The head holds one worker (and a CPU for Ray Data); the second node the other.
-        start_local_cluster(num_cpus=a.node_cpus + 1, env=worker_env())
-        r = measure_elastic(a, Path(tempfile.mkdtemp(prefix="raytrain-par-recovery-")))
+        work = Path(tempfile.mkdtemp(prefix="raytrain-par-recovery-"))
+        head = start_head(a.node_cpus + 1, work)
+        try:
+            r = measure_elastic(a, work)
+        finally:
+            ray.shutdown()
+            stop_node(head)
         print_table(["run", "node lost at step", "resumed from", "steps redone", "loss -> training (s)",
                      "return -> 2 workers (s)", "workers per evaluation", "final val_loss (fixed run)"],
                     [[r["strategy"], r["node_lost_at_step"], r["resumed_from_step"], r["steps_redone"],
