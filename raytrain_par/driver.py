@@ -18,7 +18,7 @@ import shutil
 import socket
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -116,15 +116,42 @@ def start_local_cluster(num_cpus: int, env: dict[str, str]) -> None:
 
     port = _free_port()
     env = {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    with _single_machine(), _environ({ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE: str(port)}):
+        ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                 runtime_env={"env_vars": env}, log_to_driver=True, logging_level="WARNING")
+
+
+@contextmanager
+def _single_machine():
+    """Ray's single-machine mode for the block: addresses stay on the loopback interface."""
+    from ray._private import ray_constants
+
     saved_flag = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        with _environ({ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR: "0",
-                       ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE: str(port)}):
-            ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                     runtime_env={"env_vars": env}, log_to_driver=True, logging_level="WARNING")
+        with _environ({ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR: "0"}):
+            yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+
+
+def _loopback_only(address: str) -> bool:
+    """Whether `address` is a cluster of this machine that listens on the loopback address only (an
+    embedded one). Ray rewrites 127.0.0.1 to the machine's network address before it connects, and
+    would wait for minutes where nothing listens there."""
+    from ray._private.services import get_node_ip_address
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or host not in ("127.0.0.1", "localhost") or not port.isdigit():
+        return False
+    node_ip = get_node_ip_address()
+    if node_ip.startswith("127."):
+        return False
+    try:
+        socket.create_connection((node_ip, int(port)), timeout=1.0).close()
+        return False
+    except OSError:
+        return True
 
 
 def _free_port() -> int:
@@ -158,7 +185,8 @@ def ray_cluster(spec: ExperimentSpec, address: str | None = None, log=print):
     if address:
         log(f"joining the Ray cluster at {address}")
         try:
-            ray.init(address=address, runtime_env={"env_vars": worker_env(spec)}, log_to_driver=True)
+            with _single_machine() if _loopback_only(address) else nullcontext():
+                ray.init(address=address, runtime_env={"env_vars": worker_env(spec)}, log_to_driver=True)
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise _no_cluster(address, e) from None
         if not address.startswith("ray://"):

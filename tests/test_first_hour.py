@@ -45,12 +45,17 @@ def test_readme_commands_work_as_typed_and_the_console_is_quiet(tmp_path, ray_cl
     (tmp_path / "experiments").symlink_to(REPO / "experiments")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"  # as `. .venv/bin/activate` leaves it
-    commands = [c for c in readme_commands() if "--address" not in c]  # that one needs a cluster of yours
-    assert commands[0] == "raytrain-par run experiments/quickstart.yaml" and len(commands) >= 6
+    commands = readme_commands()
+    assert commands[0] == "raytrain-par run experiments/quickstart.yaml" and len(commands) >= 7
+    # The command with --address joins the suite's cluster in place of the README's example head; the
+    # other runs start their own embedded cluster, as typed.
+    head = ray_cluster.get_runtime_context().gcs_address
     allowed = OUR_LINES + RAY_LINES
     outputs = {}
     for command in commands:
-        proc = subprocess.run(["bash", "-c", shortened(command)], cwd=tmp_path, env=env, capture_output=True,
+        address = re.search(r"--address (\S+)", command)
+        typed = command.replace(address.group(1), head) if address else command
+        proc = subprocess.run(["bash", "-c", shortened(typed)], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=600)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         outputs[command] = proc.stdout + proc.stderr
@@ -59,3 +64,5 @@ def test_readme_commands_work_as_typed_and_the_console_is_quiet(tmp_path, ray_cl
     unexpected = [line for line in console if not any(re.search(p, line) for p in allowed)]
     assert not unexpected, "\n".join(unexpected)
     assert sum("[quickstart/run] step" in line for line in console) == 2  # steps 0 and 4
+    joined = next(outputs[c] for c in commands if "--address" in c)
+    assert f"joining the Ray cluster at {head}" in joined and "2 records in" in joined
