@@ -20,7 +20,7 @@ import torch
 
 from . import config, data, models, strategies
 from .errors import ConfigError, UserError
-from .metrics.memory import size_text
+from .metrics.memory import StateBytes, size_text
 from .strategies.base import DTYPES
 
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
@@ -76,16 +76,98 @@ def activation_bytes(model_spec, info, rows: int, precision: str, checkpointing:
                 saved[s._cdata] = s.nbytes()
             return t
 
-        if info.kind == "text":
-            batch = {"tokens": torch.zeros(rows, info.seq_len + 1, dtype=torch.int32)}
-        else:
-            batch = {"image": torch.zeros(rows, *info.image_shape, dtype=torch.uint8),
-                     "label": torch.zeros(rows, dtype=torch.int64)}
+        batch = _fake_batch(info, rows)
         # 16-bit compute, as autocast (ddp) or 16-bit parameters (zero-N, fsdp) give
         mixed = torch.autocast("cpu", dtype=DTYPES[precision]) if precision != "fp32" else contextlib.nullcontext()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mixed:
             loss(task.prepare(batch, torch.device("cpu")))
     return sum(saved.values())
+
+
+@dataclass
+class RankEstimate:
+    """What one pipeline rank is predicted to hold."""
+
+    states: StateBytes
+    activations: float
+    gathered: float
+
+    @property
+    def device_bytes(self) -> float:
+        return self.states.expected - self.states.offloaded + self.activations + self.gathered
+
+
+def _stage_activations(s: config.ExperimentSpec, info, cls, ranges, outputs, rows: int) -> dict[int, float]:
+    """Bytes autograd saves in each stage for one microbatch of `rows` rows: the stages' layers run one
+    after the other on fake tensors (as `activation_bytes`), each storage counted in the stage that
+    saves it first; between stages the output is copied into a tensor of its own, as the receiving
+    stage's buffer is."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    saved: dict[int, float] = dict.fromkeys(range(len(ranges)), 0.0)
+    seen: set[int] = set()
+    stage = 0
+    with FakeTensorMode():
+        model, task = models.build(s.model, info, seed=0)
+        models.checkpoint_activations(model, s.train.activation_checkpointing)
+        layers, loss = cls.estimate_stage_inputs(model, task, s.strategy.options)
+        seen.update(p.untyped_storage()._cdata for p in model.parameters())
+
+        def pack(t):
+            key = t.untyped_storage()._cdata
+            if key not in seen:
+                seen.add(key)
+                saved[stage] += t.untyped_storage().nbytes()
+            return t
+
+        prepared = task.prepare(_fake_batch(info, rows), torch.device("cpu"))
+        x = prepared[task.input_key]
+        mixed = (torch.autocast("cpu", dtype=DTYPES[s.train.precision]) if s.train.precision != "fp32"
+                 else contextlib.nullcontext())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mixed:
+            for stage, (a, b) in enumerate(ranges):
+                if stage:
+                    x = x.detach().clone().requires_grad_(x.is_floating_point())
+                for layer in layers[a:b]:
+                    x = layer(x)
+                x = x.to(outputs[stage][1]) if x.is_floating_point() else x
+            loss(x, prepared[task.label_key])
+    return saved
+
+
+def pipeline_ranks(s: config.ExperimentSpec, info) -> list[RankEstimate]:
+    """Per pipeline rank, what a worker of a pipeline engine holds (`Engine.estimate_pipeline`): the
+    model split into stages as the engine splits it (the split measured on the plain model), each
+    stage's parameters and the activations one microbatch saves in it, then the engine's schedule says
+    how many microbatches each rank keeps in flight. Under mixed precision, what one microbatch saves
+    is told apart from what a step saves once (autocast's 16-bit weight copies) by counting two sizes
+    of microbatch: the saved bytes grow linearly in the rows."""
+    from .strategies.stages import split_model
+
+    cls, pipe = strategies.engine_class(s.strategy.name).estimate_pipeline(s.strategy.options)
+    _, ranges, outputs = split_model(models.build_on_meta(s.model, info)[0], pipe.stages * pipe.stages_per_worker,
+                                     pipe.split_points, pipe.balance)
+    model, task = models.build_on_meta(s.model, info)
+    layers, _ = cls.estimate_stage_inputs(model, task, s.strategy.options)
+    params = {i: models.parameter_count_of(p for layer in layers[a:b] for p in layer.parameters())
+              for i, (a, b) in enumerate(ranges)}
+    rows = max(1, s.per_worker_batch // s.train.gradient_accumulation_steps // pipe.num_microbatches)
+    one = _stage_activations(s, info, cls, ranges, outputs, rows)
+    if s.train.precision == "fp32":
+        micro, fixed = one, dict.fromkeys(one, 0.0)
+    else:
+        two = _stage_activations(s, info, cls, ranges, outputs, 2 * rows)
+        micro = {i: two[i] - one[i] for i in one}
+        fixed = {i: max(0.0, 2 * one[i] - two[i]) for i in one}
+    return [RankEstimate(*cls.estimate_rank(pipe, s.train, s.layout.data, p, params, micro, fixed))
+            for p in range(pipe.stages)]
+
+
+def _fake_batch(info, rows: int) -> dict[str, torch.Tensor]:
+    if info.kind == "text":
+        return {"tokens": torch.zeros(rows, info.seq_len + 1, dtype=torch.int32)}
+    return {"image": torch.zeros(rows, *info.image_shape, dtype=torch.uint8),
+            "label": torch.zeros(rows, dtype=torch.int64)}
 
 
 def largest_unit_bytes(model: torch.nn.Module, precision: str) -> int:
@@ -119,6 +201,12 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
                 rows.append(Row(name, w, n, 0, 0, 0, 0, 0, note=f"not possible: {e.field} ({e.problem})"))
                 continue
             cls = strategies.engine_class(name)
+            if cls.estimate_pipeline(s.strategy.options) is not None:
+                # the pipeline rank that holds the most, of its model states and activations together
+                r = max(pipeline_ranks(s, info), key=lambda r: r.device_bytes)
+                rows.append(Row(name, w, n, r.states.theory, r.states.expected, r.states.offloaded, r.activations,
+                                r.gathered))
+                continue
             # one worker's parameters before data-parallel sharding (its tensor-parallel shard)
             local = models.parameter_count_of(cls.estimate_inputs(*models.build_on_meta(spec.model, info),
                                                                   s.strategy.options)[1])

@@ -26,6 +26,7 @@ from torch import nn
 from ..metrics.goodput import NoiseScale
 from ..metrics.memory import (Sharding, StateBytes, allocated_bytes, model_state_census, model_state_theory,
                               optimizer_state_bytes, peak_bytes, storage_bytes)
+from .. import models
 from ..models import checkpoint_activations, parameter_count
 from .layout import Layout, Placement, place
 
@@ -271,6 +272,21 @@ class Engine(ABC):
         the loss of a prepared batch as one worker computes it, and the parameters one worker holds
         before any data-parallel sharding. An engine that splits the model itself says how."""
         return (lambda batch: task.loss(model, batch)), list(model.parameters())
+
+    @classmethod
+    def estimate_pipeline(cls, options) -> tuple[type["Engine"], object] | None:
+        """For an engine that runs the model as pipeline stages: the engine class that does, and the
+        options of its pipeline (`stages`, `stages_of`, `num_microbatches`, `split_points`, `balance`).
+        `estimate` splits the model by them, counts each stage's parameters and the activations one
+        microbatch saves in it, and asks that class's `estimate_rank` what one pipeline rank holds.
+        None for engines that do not split the model into stages."""
+        return None
+
+    @classmethod
+    def estimate_stage_inputs(cls, model: nn.Module, task, options) -> tuple[list[nn.Module], Callable]:
+        """A pipeline engine's layers as its stages hold them (shapes only; an engine that splits each
+        layer further says how) and the last stage's loss of (output, labels)."""
+        return models.pipeline_layers(model), task.loss_from
 
     @classmethod
     def model_state_bytes(cls, options, train, dp: int, num_params: int) -> StateBytes | None:

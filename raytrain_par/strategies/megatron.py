@@ -360,9 +360,18 @@ class MegatronEngine(Engine):
         return (lambda batch: split.model(batch["input_ids"], batch["labels"])), list(split.model.parameters())
 
     @classmethod
+    def estimate_pipeline(cls, options):
+        if options.stages == 1:
+            return None
+        from .megatron_pipeline import MegatronPipelineEngine
+
+        return MegatronPipelineEngine.estimate_pipeline(options)
+
+    @classmethod
     def model_state_bytes(cls, options, train, dp, num_params):
         """`num_params`: one rank's tensor-parallel shard; replicated over the D replicas, or sharded
-        over them by FSDP (data_parallel_sharding). None with stages, as for the pipeline engines."""
+        over them by FSDP (data_parallel_sharding). None with stages: `estimate` asks the pipeline
+        (estimate_pipeline), stage by stage."""
         from ..metrics.memory import Sharding, StateBytes, model_state_theory, optimizer_state_bytes
 
         if options.stages > 1:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import models
 from . import tensor_parallel as tp_ops
 from .base import load_tensors
 from .megatron import TP_RNG_OFFSET, gather_shards, local_logits, padding_of, split_lm, vocab_parallel_sums
@@ -76,8 +77,25 @@ class MegatronPipelineEngine(PipelineEngine):
         self.names = {id(p): self.pipe.names[s][n] for s, m in self.pipe.modules.items()
                       for n, p in m.named_parameters()}
 
-    def schedule_options(self, options):
+    @classmethod
+    def schedule_options(cls, options):
         return options.pipeline_options()
+
+    @classmethod
+    def estimate_stage_inputs(cls, model, task, options):
+        """The layers as one tensor-parallel rank holds them (shapes only, no process group) and the
+        vocabulary-parallel loss of its logits."""
+        from .megatron import _ShapesOnly
+
+        tp = _ShapesOnly(None, options.tensor_parallel, 0)
+        split = split_lm(model, tp, tp_ops.ParallelRNG(0, torch.device("cpu")))
+        model.lm_head = VocabParallelHead(split.model.head, model.config.vocab_size)
+        start = split.model.vocab_start
+
+        def loss(logits, labels):
+            return tp_ops.vocab_parallel_cross_entropy(logits.flatten(0, -2), labels.flatten(), start, tp).mean()
+
+        return models.pipeline_layers(model), loss
 
     def split_layers(self, lm: nn.Module) -> None:
         """Tensor parallel first, on the whole model: every layer split, the LM head made vocabulary-parallel."""

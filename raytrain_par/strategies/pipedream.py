@@ -66,7 +66,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from ..metrics.memory import SavedActivations
+from ..metrics.memory import SavedActivations, Sharding, StateBytes, model_state_theory, optimizer_state_bytes
 from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
 from .layout import Layout
 from .stages import Busy, Interval, Pipeline, validate_layout
@@ -103,6 +103,13 @@ class Options:
     def layout(self, num_workers: int) -> Layout:
         return Layout.of(num_workers, pipeline=self.stages)
 
+    stages_per_worker = 1
+
+    @staticmethod
+    def stages_of(pp_rank: int) -> list[int]:
+        """Pipeline rank p holds stage p."""
+        return [pp_rank]
+
 
 def staleness_theory(j: int, lag: int, microbatches: int, two_versions: bool, start: int = 0) -> int:
     """Updates a stage makes between microbatch j's forward and backward passes: the backward passes
@@ -130,7 +137,7 @@ class PipeDreamEngine(Engine):
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
         super().__init__(model, task, train, options, ctx, total_steps)
         P = options.stages
-        self.pipe = pipe = Pipeline(model, self.placement, self.device, P, lambda p: [p], options.split_points,
+        self.pipe = pipe = Pipeline(model, self.placement, self.device, P, options.stages_of, options.split_points,
                                     options.balance, train.precision)
         self.stage = pipe.local[0]
         self.module = pipe.modules[self.stage]
@@ -171,6 +178,25 @@ class PipeDreamEngine(Engine):
         self.busy, self.bubble = Busy(self.device), Interval()
         self.activations = SavedActivations()
         self.stash_now = self.stash_peak = 0
+
+    @classmethod
+    def estimate_pipeline(cls, options):
+        return cls, options
+
+    @classmethod
+    def estimate_rank(cls, pipe: Options, train, dp: int, pp_rank: int, params: dict[int, int],
+                      micro: dict[int, float], fixed: dict[int, float]) -> tuple[StateBytes, float, float]:
+        """What stage p holds (see PipelineEngine.estimate_rank for the arguments): its fp32 model
+        states, plus the weight versions stashed for the microbatches in flight when it updates (lag =
+        P - 1 - p of them in flight; with stashing, as many versions as minibatches they span,
+        ceil(lag / m); with 2BW one); and the activations of the lag + 1 microbatches in flight after
+        a forward pass, each with its own 16-bit weight copy under autocast (`fixed`: one region per
+        forward pass)."""
+        lag, m = pipe.stages - 1 - pp_rank, pipe.num_microbatches
+        theory = model_state_theory(Sharding(), dp, train.precision, optimizer_state_bytes(train)) * params[pp_rank]
+        versions = min(1, lag) if pipe.weight_versions == 2 else math.ceil(lag / m)
+        stash = versions * 4 * params[pp_rank]
+        return StateBytes(theory, theory + stash), (lag + 1) * (micro[pp_rank] + fixed[pp_rank]), 0.0
 
     @property
     def first(self) -> bool:

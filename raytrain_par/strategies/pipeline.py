@@ -47,7 +47,8 @@ import torch
 import torch.distributed.pipelining as pipelining
 from torch import nn
 
-from ..metrics.memory import SavedActivations
+from ..metrics.memory import (SavedActivations, Sharding, StateBytes, model_state_theory,
+                              optimizer_state_bytes)
 from .base import (DistContext, Engine, build_optimizer, load_tensors, local_tensor, lr_factor,
                    sliced_optimizer_state, split_batch, whole_optimizer_state)
 from .layout import Layout, check_sharding
@@ -137,6 +138,40 @@ class Options:
         return (P - 1) / (V * M + P - 1)
 
 
+def schedule_actions(options: Options, pp_rank: int) -> list[tuple[int, str]]:
+    """(stage, computation) in the order pipeline rank `pp_rank` runs them in torch's schedule: F
+    forward, B full backward, I and W the input and weight halves of a split backward. Read from the
+    schedule's own order (the one torch checks and draws): torch builds it only from live stages in a
+    process group, so its private order functions (checked against torch 2.13) are called here on an
+    object given just the degrees they read."""
+    from torch.distributed.pipelining import schedules
+
+    cls, P, V, M = SCHEDULES[options.schedule], options.stages, options.stages_per_worker, options.num_microbatches
+    rounds = max(1, M // P)
+    order = cls.__new__(cls)
+    order.__dict__.update(pp_group_size=P, n_local_stages=V, _n_microbatches=M, number_of_rounds=rounds,
+                          microbatches_per_round=M // rounds, rank=pp_rank, num_stages=P * V, _num_stages=P * V)
+    if issubclass(cls, schedules.PipelineScheduleSingle):
+        actions = order._get_pipeline_order()[pp_rank]
+    else:
+        actions = order._calculate_single_rank_operations(pp_rank)
+    return [(a.stage_index, a.computation_type.value) for a in actions if a is not None]
+
+
+def held_activations(actions: list[tuple[int, str]], micro: dict[int, float]) -> float:
+    """The most activation bytes alive at once over a rank's actions: a microbatch's activations in
+    stage s (`micro[s]`) live from its forward pass to its full backward, or, split, to its weight
+    half (the input half keeps the graph for it)."""
+    now = peak = 0.0
+    for stage, kind in actions:
+        if kind == "F":
+            now += micro[stage]
+        elif kind in ("B", "W"):
+            now -= micro[stage]
+        peak = max(peak, now)
+    return peak
+
+
 class _TimedStage(pipelining.PipelineStage):
     """torch's PipelineStage, timing its forward and backward computation (not the waits between)."""
 
@@ -162,9 +197,33 @@ class PipelineEngine(Engine):
     #: transforms the whole model in place before the stages take their layers (see stages.Pipeline)
     split_layers = None
 
-    def schedule_options(self, options) -> Options:
+    @classmethod
+    def schedule_options(cls, options) -> Options:
         """The options of the stages' schedule (an engine built on this one may hold them in its own)."""
         return options
+
+    @classmethod
+    def estimate_pipeline(cls, options):
+        return cls, cls.schedule_options(options)
+
+    @classmethod
+    def estimate_rank(cls, pipe: Options, train, dp: int, pp_rank: int, params: dict[int, int],
+                      micro: dict[int, float], fixed: dict[int, float]) -> tuple[StateBytes, float, float]:
+        """What pipeline rank `pp_rank` holds, from its stages' parameter counts (`params`; the later
+        stage's copy of a tied weight counted there), the activation bytes one microbatch saves in each
+        stage (`micro`) and those saved once per step whatever the microbatches (`fixed`: autocast's
+        16-bit weight copies, one per step as the schedule runs in one autocast region): model states
+        (fp32 parameters, gradients and optimizer state, divided over the D replicas under fsdp), the
+        activations of the microbatches the schedule keeps in flight at once, and the whole parameters
+        and gradients that FSDP holds during a step (torch's stages keep a sharded stage gathered from
+        its first forward pass to its last backward, and its gradients unreduced until then)."""
+        local = pipe.stages_of(pp_rank)
+        n = sum(params[s] for s in local)
+        every = pipe.data_parallel_sharding == "fsdp" and dp > 1
+        theory = model_state_theory(Sharding(every, every, every), dp, train.precision,
+                                    optimizer_state_bytes(train)) * n
+        activations = held_activations(schedule_actions(pipe, pp_rank), micro) + sum(fixed[s] for s in local)
+        return StateBytes(theory, theory), activations, (4 + 4) * n if every else 0.0
 
     def stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean loss of one microbatch from the last stage's output."""

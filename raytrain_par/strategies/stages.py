@@ -138,6 +138,19 @@ def partition(costs: list[float], parts: int) -> list[int]:
     return sorted(points)[1:]
 
 
+def split_model(model: nn.Module, num_stages: int, split_points: list[int] | None = None,
+                balance: str = "flops") -> tuple[list[int], list[tuple[int, int]], list[tuple]]:
+    """Where the stages begin (`split_points`, or the balanced split), each stage's range of layers,
+    and what each stage sends on: (shape of one sample, dtype); a message of b rows is [b, *shape]."""
+    layers = models.pipeline_layers(model)
+    flops, outputs = measure_layers(model, layers)
+    costs = flops if balance == "flops" else [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
+    split = list(split_points) if split_points else partition(costs, num_stages)
+    bounds = [0, *split, len(layers)]
+    ranges = [(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+    return split, ranges, [outputs[b - 1] for _, b in ranges]
+
+
 class Pipeline:
     """A model split into `num_stages` stages over the pipeline ranks of a placement; this rank's stages.
 
@@ -160,17 +173,10 @@ class Pipeline:
         assert sorted(self.owner) == list(range(S)), "every stage needs exactly one pipeline rank"
         self.local = sorted(stages_of(self.pp_rank))
 
-        layers = models.pipeline_layers(model)
-        flops, outputs = measure_layers(model, layers)
-        costs = flops if balance == "flops" else [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
-        self.split = list(split_points) if split_points else partition(costs, S)
-        bounds = [0, *self.split, len(layers)]
-        self.layer_ranges = [(bounds[s], bounds[s + 1]) for s in range(S)]
-        # What each stage sends on: (shape of one sample, dtype); a message of b rows is [b, *shape].
-        self.outputs = [outputs[b - 1] for _, b in self.layer_ranges]
+        self.split, self.layer_ranges, self.outputs = split_model(model, S, split_points, balance)
         if split_layers is not None:
             split_layers(model)
-            layers = models.pipeline_layers(model)
+        layers = models.pipeline_layers(model)
         every = [Stage(*layers[a:b], out_dtype=self.outputs[s][1], device_type=device.type, precision=precision)
                  for s, (a, b) in enumerate(self.layer_ranges)]
 
