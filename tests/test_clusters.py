@@ -234,3 +234,20 @@ def test_job_submit_to_an_address_without_a_cluster_says_so(tmp_path):
                            f"http://127.0.0.1:{free_port()}", "--", "true"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "Failed to connect to Ray at address" in proc.stdout + proc.stderr
+
+
+def test_a_loopback_only_cluster_is_joined_on_loopback():
+    """Ray rewrites 127.0.0.1 to the machine's network address before it connects; a cluster of this
+    machine that listens on loopback only (an embedded one) is joined without that rewrite."""
+    import socket
+
+    from raytrain_par.driver import _loopback_only
+
+    with socket.socket() as only_loopback, socket.socket() as everywhere:
+        only_loopback.bind(("127.0.0.1", 0))
+        everywhere.bind(("0.0.0.0", 0))
+        for s in (only_loopback, everywhere):
+            s.listen()
+        assert _loopback_only(f"127.0.0.1:{only_loopback.getsockname()[1]}")
+        assert not _loopback_only(f"localhost:{everywhere.getsockname()[1]}")  # the machine's address answers
+    assert not _loopback_only("10.0.0.5:6379") and not _loopback_only("ray://127.0.0.1:10001")

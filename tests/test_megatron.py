@@ -305,31 +305,6 @@ def test_hybrid_layout_reads_one_slice_per_tensor_parallel_group():
 
 # -- through Ray Train -------------------------------------------------------------------------------
 
-@pytest.mark.ray
-def test_megatron_through_ray_matches_single_process(ray_cluster, runs, tmp_path):
-    """Two Ray workers, T=2: per-step losses equal one process, checkpoints are written, and the records
-    carry activation and all-reduce bytes."""
-    from raytrain_par.driver import run_experiment
-
-    spec = config.parse({**experiment(strategy=megatron(2), workers=2, steps=3), "output_dir": str(tmp_path)})
-    spec.train.eval_every_steps = 1
-    spec.data.max_val_samples = 16
-    result = run_experiment(spec, log=lambda *_: None)
-    assert result.error is None, result.error
-    losses = [r["train_loss"] for r in result.records if r["step"] > 0]
-    assert losses == pytest.approx(runs["ref"]["plain"]["losses"][:3], abs=1e-5, rel=1e-5)
-    last = result.records[-1]
-    assert last["strategy"] == "megatron" and len(last["mem_param_bytes_per_worker"]) == 2
-    assert last["mem_param_bytes"] == runs["t2"][0]["plain"]["memory"]["mem_param_bytes"]
-    assert last["mem_activation_bytes"] == runs["t2"][0]["plain"]["memory"]["mem_activation_bytes"]
-    assert last["comm_tp_allreduce_bytes_per_step"] == runs["t2"][0]["plain"]["memory"]["comm_tp_allreduce_bytes_per_step"]
-    checkpoints = sorted(p for p in (tmp_path / "parity" / "train").glob("checkpoint_*") if p.is_dir())
-    assert checkpoints and {p.name for p in checkpoints[-1].iterdir()} >= {
-        "megatron-tp0-of-2.pt", "megatron-tp1-of-2.pt", "loop.json"}
-    # `raytrain-par export` joins the shards into a plain GPT-2 that scores the run's validation loss
-    assert exported_val_loss(result.results_dir, runs["info"], 16) == pytest.approx(last["val_loss"], abs=1e-5)
-
-
 def test_sharded_tensor_by_data_parallel_through_ray(ray_cluster, runs, tmp_path):
     """FSDP x T2 on 4 Ray workers: the per-step losses of one process, and a checkpoint of whole
     tensor-parallel shards (the same files as with replicated data parallel)."""

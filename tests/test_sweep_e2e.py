@@ -72,28 +72,3 @@ def test_asha_stops_a_poor_trial_and_frees_its_resources(ray_cluster, tmp_path):
         time.sleep(1)
     assert left == []
 
-
-def test_strategies_sweep_trains_fsdp_and_the_multi_stage_schedules_as_ddp_does(ray_cluster, tmp_path, info):
-    """experiments/strategies.yaml's sweep over strategies no other test runs through Ray: fsdp and the
-    interleaved-1f1b and zbv pipeline schedules, two steps each (zero-1 shares zero-2's engine, gpipe
-    and zero-bubble share 1f1b's and interleaved-1f1b's; each is compared with one process in
-    tests/test_zero.py and tests/test_pipeline.py). Every trial completes and trains the losses of one
-    ddp process on the same global batches."""
-    from engines import train_steps
-    from raytrain_par.local_group import run_ranks
-
-    schedules = ("interleaved-1f1b", "zbv")
-    strategies = ["{name: fsdp}", *(f"{{name: pipeline, stages: 2, schedule: {s}}}" for s in schedules)]
-    common = ["train.max_steps=2", "train.eval_every_steps=1", "train.warmup_steps=0", "train.checkpoint_every_evals=0",
-              "data.max_val_samples=16"]
-    spec = load_experiment(experiment_file("strategies.yaml"), [
-        *common, f"output_dir={tmp_path}", f"sweep.grid.strategy=[{', '.join(strategies)}]"])
-    result = run_sweep(spec, log=lambda *_: None)
-    assert len(result.trials) == len(strategies) and all(t["status"] == "completed" for t in result.trials)
-
-    one = load_experiment(experiment_file("strategies.yaml"), [*common, "scaling.num_workers=1", "sweep=null"])
-    data = info("kjv", seq_len=one.data.seq_len, vocab_size=one.data.vocab_size)
-    reference = run_ranks(1, train_steps, one.to_dict(), data, 2)[0]["losses"]
-    for t in result.trials:
-        losses = [r["train_loss"] for r in result.records if r["trial"] == t["trial"] and r["step"] > 0]
-        assert losses == pytest.approx(reference, rel=1e-5), t["trial"]
