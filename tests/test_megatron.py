@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raytrain_par.local_group import run_ranks
-from engines import experiment, exported_val_loss, loop, through_ray
+from engines import experiment, loop, through_ray
 from raytrain_par import config, models, strategies
 from raytrain_par.models import gpt2
 from raytrain_par.data.loader import MemoryLoader, eval_batches
