@@ -210,15 +210,16 @@ def _int_list(text: str, option: str) -> list[int]:
 
 def _estimate(spec, args) -> int:
     from . import estimate, strategies
+    from .config import ScalingSpec
 
     if args.workers:
         workers = _int_list(args.workers, "--workers")
     else:
         swept = (spec.sweep or {}).get("grid", {}).get("scaling.num_workers")
-        # an elastic range [MIN, MAX] may train on any count in it
-        counts = [range(w[0], w[1] + 1) if isinstance(w, list) else [int(w)] for w in swept] \
-            if isinstance(swept, list) else [spec.scaling.worker_counts]
-        workers = sorted({n for c in counts for n in c})
+        # every count a run may train on: an elastic range [MIN, MAX] any count in it
+        scalings = [ScalingSpec.from_raw({"num_workers": w}) for w in swept] if isinstance(swept, list) \
+            else [spec.scaling]
+        workers = sorted({n for s in scalings for n in s.worker_counts})
     if args.strategies:
         names = [n.strip() for n in args.strategies.split(",") if n.strip()]
         unknown = [n for n in names if n not in strategies.NAMES]

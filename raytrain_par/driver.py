@@ -32,6 +32,7 @@ from . import data as data_sets
 from .config import ExperimentSpec
 from .data.shards import DatasetInfo
 from .errors import ConfigError, UserError
+from .local_group import free_port
 from .metrics.efficiency import summarize
 from .metrics.records import RecordWriter, merge, progress_line, read_records, table, write_table
 from .worker import quiet_ray_logs, steps_per_epoch, train_loop_per_worker
@@ -114,7 +115,7 @@ def start_local_cluster(num_cpus: int, env: dict[str, str]) -> None:
     """
     from ray._private import ray_constants
 
-    port = _free_port()
+    port = free_port()
     env = {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
     with _single_machine(), _environ({ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE: str(port)}):
         ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
@@ -139,12 +140,12 @@ def _loopback_only(address: str) -> bool:
     """Whether `address` is a cluster of this machine that listens on the loopback address only (an
     embedded one). Ray rewrites 127.0.0.1 to the machine's network address before it connects, and
     would wait for minutes where nothing listens there."""
-    from ray._private.services import get_node_ip_address
+    from ray._private.services import node_ip_address_from_perspective
 
     host, _, port = address.rpartition(":")
     if "://" in address or host not in ("127.0.0.1", "localhost") or not port.isdigit():
         return False
-    node_ip = get_node_ip_address()
+    node_ip = node_ip_address_from_perspective()  # what Ray rewrites to, whether or not this process is connected
     if node_ip.startswith("127."):
         return False
     try:
@@ -152,12 +153,6 @@ def _loopback_only(address: str) -> bool:
         return False
     except OSError:
         return True
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
