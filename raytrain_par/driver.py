@@ -120,6 +120,7 @@ def start_local_cluster(num_cpus: int, env: dict[str, str]) -> None:
     with _single_machine(), _environ({ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE: str(port)}):
         ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                  runtime_env={"env_vars": env}, log_to_driver=True, logging_level="WARNING")
+    _start_autoscaling_coordinator()
 
 
 @contextmanager
@@ -191,6 +192,7 @@ def ray_cluster(spec: ExperimentSpec, address: str | None = None, log=print):
             from ray.data._internal.stats import get_or_create_stats_actor
 
             get_or_create_stats_actor()
+            _start_autoscaling_coordinator()
     else:
         need = spec.scaling.num_workers * spec.scaling.cpus_per_worker
         # Logical CPUs: training workers plus one for Ray Data's read tasks, which hang when
@@ -202,6 +204,17 @@ def ray_cluster(spec: ExperimentSpec, address: str | None = None, log=print):
         yield
     finally:
         ray.shutdown()
+
+
+def _start_autoscaling_coordinator() -> None:
+    """A run's controller asks Ray's autoscaling coordinator (one detached actor per cluster) for its
+    workers, and waits 5 s for the answer; the first ask also starts the actor's process, which on a
+    busy machine takes longer, and Ray prints the timeout with a traceback. Started here, on the
+    driver's node (where the controller runs and would start it), the ask finds it ready."""
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator)
+
+    ray.get(get_or_create_autoscaling_coordinator().__ray_ready__.remote(), timeout=120)
 
 
 def preflight(spec: ExperimentSpec, address: str | None, log=print) -> None:

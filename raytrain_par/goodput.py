@@ -18,6 +18,10 @@ measured apart:
 Predicted time to target = S(M) x step time. Memory per worker comes from `raytrain-par estimate`.
 Writes <output_dir>/<name>/plan.parquet (one row per point, ranked) and the reference's records and
 probes under <output_dir>/<name>/plan/.
+
+`sweep: {search: goodput}` makes the same plan, then trains points in the predicted order with
+GoodputSearcher (a Ray Tune Searcher) until the leader is confirmed, and stops every trial that runs
+longer than the best time to target measured so far (GoodputStopper).
 """
 
 from __future__ import annotations
@@ -25,17 +29,21 @@ from __future__ import annotations
 import functools
 import json
 import math
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray.train
+from ray.tune import Stopper
+from ray.tune.search import Searcher
 
 from . import data as data_sets
 from . import estimate
 from .config import ExperimentSpec, parse
 from .driver import make_trainer, preflight, ray_cluster, run_experiment
 from .errors import ConfigError, UserError
+from .metrics.efficiency import crossing
 from .metrics.goodput import Reference, fit_reference
 from .metrics.records import write_table
 from .metrics.throughput import Probe, ThroughputModel
@@ -230,3 +238,121 @@ def plan_table(rows: list[dict]) -> str:
              "-" if r["fits"] is None else ("yes" if r["fits"] else "NO")] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     return "\n".join(["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *body]])
+
+
+class GoodputSearcher(Searcher):
+    """Trains a plan's points fastest-predicted first, and finishes once no untried point is predicted
+    to reach the target sooner than the best trial measured so far.
+
+    Predictions are scaled by how far off they were for the trials measured so far (the median of
+    measured / predicted time to target): a model that is uniformly optimistic or pessimistic (evaluation
+    pauses, a slower cluster than the probes saw) does not decide alone when to stop. `min_trials` points
+    are trained whatever the predictions say, so the leader is measured against at least one other;
+    `margin` (a fraction) also trains points predicted up to that much slower than the best measured.
+    Points that do not fit in device memory, or whose time cannot be predicted, are never trained.
+
+    Ray Tune has no searcher that ranks a fixed grid by a model and stops early (its model-based ones
+    sample a space and need many trials to learn it), hence this one.
+    """
+
+    def __init__(self, rows: list[dict], metric: str, mode: str, target: float, min_trials: int = 2,
+                 margin: float = 0.0, log=print):
+        super().__init__(metric=metric, mode=mode)
+        self.target, self.min_trials, self.margin, self.log = target, min_trials, margin, log
+        self.queue = [r for r in rows if r["fits"] is not False and _finite(r["predicted_time_to_target_s"])]
+        self.rows: dict[str, dict] = {}  # trial id -> its plan row
+        self.records: dict[str, list[dict]] = {}
+        self.running: set[str] = set()
+        self.measured: dict[str, float | None] = {}  # trial id -> time to target (None: not reached)
+        self.stopped: set[str] = set()  # trials GoodputStopper ended
+
+    def set_search_properties(self, metric, mode, config, **spec) -> bool:
+        return True  # the points come from the plan, not from Tune's param_space
+
+    def times(self) -> dict[str, float]:
+        """Time to target of every trial that reached it so far, running or ended."""
+        out = {i: t for i, t in self.measured.items() if t is not None}
+        out.update({i: t for i, t in ((i, self._reached(i)) for i in self.running) if t is not None})
+        return out
+
+    def best(self) -> float | None:
+        return min(self.times().values(), default=None)
+
+    def calibration(self) -> float:
+        ratios = sorted(t / self.rows[i]["predicted_time_to_target_s"] for i, t in self.times().items()
+                        if self.rows[i]["predicted_time_to_target_s"] > 0)
+        if not ratios:
+            return 1.0
+        mid = len(ratios) // 2
+        return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+
+    def could_win(self, row: dict) -> bool:
+        best = self.best()
+        if best is None:  # nothing has reached the target: the next point once the running ones end
+            return not self.running
+        return row["predicted_time_to_target_s"] * self.calibration() < best * (1 + self.margin)
+
+    def suggest(self, trial_id: str):
+        started = len(self.measured) + len(self.running)
+        if self.queue and (started < self.min_trials or self.could_win(self.queue[0])):
+            row = self.queue.pop(0)
+            self.rows[trial_id], self.records[trial_id] = row, []
+            self.running.add(trial_id)
+            self.log(f"goodput search: training {row['trial']} (predicted rank {row['rank']}, "
+                     f"{row['predicted_time_to_target_s']:.1f} s to target)")
+            return {"point": json.loads(row["overrides"])}
+        if self.running:
+            return None  # what the running trials measure decides whether another is worth training
+        if self.queue:
+            self.log(f"goodput search: done; the {len(self.queue)} point(s) left are predicted slower than "
+                     f"{self.best():.1f} s (predictions scaled by {self.calibration():.2f}, the median of measured / "
+                     "predicted so far)")
+        return Searcher.FINISHED
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        # Tune hands searchers the result flattened: the record's own fields are at its top level
+        if trial_id in self.records and result.get("wall_time_s") is not None:
+            self.records[trial_id].append({k: result.get(k) for k in ("step", "wall_time_s", self.metric)})
+
+    def save(self, checkpoint_path: str) -> None:
+        """What has been trained and measured, for `sweep --resume`."""
+        with open(checkpoint_path, "wb") as f:
+            pickle.dump({k: v for k, v in self.__dict__.items() if k != "log"}, f)
+
+    def restore(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "rb") as f:
+            self.__dict__.update(pickle.load(f))
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        if trial_id not in self.rows:
+            return
+        self.running.discard(trial_id)
+        self.measured[trial_id] = None if error else self._reached(trial_id)
+
+    def _reached(self, trial_id: str) -> float | None:
+        records = self.records.get(trial_id) or []
+        return crossing(records, self.metric, self.target, self.mode, "wall_time_s") if records else None
+
+
+class GoodputStopper(Stopper):
+    """Ends a trial once its training has run longer than the best time to target measured so far
+    without reaching the target: it cannot be the fastest any more."""
+
+    def __init__(self, searcher: GoodputSearcher):
+        self.searcher = searcher
+
+    def __call__(self, trial_id: str, result: dict) -> bool:
+        best = self.searcher.best()
+        wall = result.get("wall_time_s")
+        late = (best is not None and wall is not None and wall > best
+                and self.searcher._reached(trial_id) is None and not result.get("target_met"))
+        if late:
+            self.searcher.stopped.add(trial_id)
+        return late
+
+    def stop_all(self) -> bool:
+        return False
+
+
+def _finite(x) -> bool:
+    return x is not None and math.isfinite(x)

@@ -7,6 +7,7 @@ Writes into RESULTS_DIR (or --out):
     epoch_time.png              time per epoch against worker count, one line per strategy (and batch)
     mfu.png                     model FLOPs utilisation against worker count, beside it
     memory.png                  peak and model-state memory per worker against worker count
+    predicted_vs_measured.png   (search: goodput) predicted against measured time to target per trial
     summary.md                  the ranking (time to target first) and the figures
 """
 
@@ -67,10 +68,14 @@ def _convergence(groups, metric, target, x, xlabel, title, path):
         ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:g}")
     if metric in ("val_perplexity", "grad_noise_scale"):
         ax.set_yscale("log")
+    _finish(fig, ax, xlabel, LABELS.get(metric, metric), title, path)
+
+
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> None:
     ax.set_xlabel(xlabel)
-    ax.set_ylabel(LABELS.get(metric, metric))
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.grid(True, alpha=0.3)
+    ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -100,14 +105,7 @@ def _scaling(rows, series, ylabel, title, path):
                 ax.plot(xs, [sum(points[x]) / len(points[x]) for x in xs], linestyle=style, marker="o",
                         color=color, label=label + suffix)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("workers (GPUs)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, "workers (GPUs)", ylabel, title, path)
 
 
 def _mib(n):
@@ -132,6 +130,39 @@ def _markdown_table(rows: list[dict], metric: str) -> str:
             f(_pct(r.get("mfu")), ".1f"), f(_pct(r.get("comm_fraction")), ".1f"), f(_mib(r.get("mem_peak_bytes")), ".0f"), f(_mib(r.get("mem_model_state_bytes")), ".1f"),
             r.get("status") or "completed"]) + " |")
     return "\n".join(lines)
+
+
+def _predicted_vs_measured(rows: list[dict], title: str, path: Path) -> None:
+    """Measured against predicted time to target, one point per trained trial, with the line where
+    they are equal; points not trained are marked on the predicted axis."""
+    fig, ax = plt.subplots(figsize=(6, 5))
+    trained = [r for r in rows if r.get("time_to_target_s") is not None]
+    for r in trained:
+        ax.scatter(r["predicted_time_to_target_s"], r["time_to_target_s"], color="tab:blue")
+        ax.annotate(r["trial"], (r["predicted_time_to_target_s"], r["time_to_target_s"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    skipped = [r["predicted_time_to_target_s"] for r in rows if r.get("time_to_target_s") is None]
+    values = [r["predicted_time_to_target_s"] for r in rows] + [r["time_to_target_s"] for r in trained]
+    lo, hi = min(values), max(values)
+    ax.plot([lo, hi], [lo, hi], color="black", linestyle="--", linewidth=1, label="measured = predicted")
+    if skipped:
+        ax.scatter(skipped, [lo] * len(skipped), marker="x", color="tab:gray",
+                   label="not trained or not reached (predicted only)")
+    _finish(fig, ax, "predicted time to target (s)", "measured time to target (s)", title, path)
+
+
+def _prediction_table(rows: list[dict]) -> str:
+    def f(v, fmt):
+        return "–" if v is None else format(v, fmt)
+    lines = ["Predicted (`search: goodput`) against measured, in the predicted order:\n",
+             "| predicted rank | trial | predicted steps | predicted s/step | predicted time to target (s) "
+             "| measured time to target (s) | status |", "|" + "---|" * 7]
+    for r in sorted(rows, key=lambda r: r.get("predicted_rank") or 0):
+        lines.append("| " + " | ".join([
+            f(r.get("predicted_rank"), "d"), r["trial"], f(r.get("predicted_steps_to_target"), ".1f"),
+            f(r.get("predicted_step_time_s"), ".3f"), f(r["predicted_time_to_target_s"], ".1f"),
+            f(r.get("time_to_target_s"), ".1f"), r.get("status") or "completed"]) + " |")
+    return "\n".join(lines) + "\n\n"
 
 
 def write_report(results_dir: str | Path, out: str | Path | None = None) -> list[Path]:
@@ -164,11 +195,15 @@ def write_report(results_dir: str | Path, out: str | Path | None = None) -> list
         files.append(out / "noise_scale.png")
         _convergence(groups, "grad_noise_scale", None, "step", "optimizer steps",
                      f"{name}: gradient noise scale (rows) during training", files[-1])
+    predicted = [r for r in rows if r.get("predicted_time_to_target_s") is not None]
+    if predicted:
+        files.append(out / "predicted_vs_measured.png")
+        _predicted_vs_measured(predicted, f"{name}: time to target, predicted and measured", files[-1])
     summary = out / "summary.md"
     target_text = f", target {metric} {'>=' if mode == 'max' else '<='} {target:g}" if target is not None else ""
     summary.write_text(
         f"# {name}\n\n{len(rows)} trial(s), ranked by time to target{target_text}, then by best {metric}.\n\n"
-        f"{_markdown_table(rows, metric)}\n\n"
+        f"{_markdown_table(rows, metric)}\n\n" + (_prediction_table(predicted) if predicted else "") +
         "Wall time counts training steps only (not evaluation, checkpoints, reporting or start-up). MFU: model "
         "FLOPs per step over the training time, per worker, against the peak each record names; exposed comm: "
         "the share of a profiled step spent waiting for communication.\n\n"

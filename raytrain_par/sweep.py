@@ -11,7 +11,8 @@ before anything starts.
         - {scaling.num_workers: 2, train.global_batch_size: 64}
       random:                                # sampled per trial: a list is a choice,
         train.lr: {min: 1.0e-4, max: 1.0e-2, log: true}   # a range is uniform (log: log-uniform)
-      search: grid                           # grid | random | optuna
+      search: grid                           # grid | random | optuna | goodput
+      goodput: {min_trials: 2, margin: 0.0}  # search: goodput only (see below)
       num_samples: 1                         # draws of the random keys (per grid point)
       lr_scaling: sqrt                       # none | linear | sqrt: lr follows the global batch
       max_concurrent_trials: 2               # default: as many as the cluster's free CPUs/GPUs hold
@@ -23,6 +24,14 @@ and scales it by (batch / that batch) — linearly or by the square root — for
 global batch differs, keeping the file's warm-up. Data parallelism grows the effective batch with
 the worker count; without a rule, larger worker counts train with a learning rate tuned for a
 smaller batch.
+
+`search: goodput` first predicts every grid point's time to the target, as `raytrain-par plan` does
+(one reference run measuring the gradient noise scale, a few short throughput probes), then trains
+points in the predicted order, each until the target, and ends once no untried point is predicted to
+reach it sooner than the best trial so far; a trial still short of the target when it has trained
+longer than that best is stopped. It needs a target on the sweep's metric and two batch sizes or more.
+`min_trials` points are trained whatever the prediction says; `margin` (a fraction) also trains points
+predicted up to that much slower than the best measured.
 """
 
 from __future__ import annotations
@@ -52,11 +61,21 @@ class EarlyStopping:
 
 
 @dataclass
+class GoodputSearch:
+    """search: goodput: trials trained whatever the prediction says, and how much slower than the best
+    measured a point may be predicted and still be trained."""
+
+    min_trials: int = 2
+    margin: float = 0.0
+
+
+@dataclass
 class SweepSpec:
     grid: dict = field(default_factory=dict)
     cases: list[dict] = field(default_factory=list)
     random: dict = field(default_factory=dict)
-    search: Literal["grid", "random", "optuna"] = "grid"
+    search: Literal["grid", "random", "optuna", "goodput"] = "grid"
+    goodput: Optional[GoodputSearch] = None
     num_samples: int = 1
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     max_concurrent_trials: Optional[int] = None
@@ -155,6 +174,14 @@ def plan(spec: ExperimentSpec) -> Plan:
             raise ConfigError("sweep.search", "optuna", "Optuna samples; it does not take grid or cases",
                               "move the values to sweep.random as lists (choices), or use search: grid")
 
+    if sweep.search == "goodput":
+        _check_goodput_search(sweep)
+        # every trial trains until its target, and no longer: its time to the target is what is compared
+        base["train"]["stop_at_target"] = True
+    elif sweep.goodput is not None:
+        raise ConfigError("sweep.goodput", spec.sweep["goodput"], f"it sets up search: goodput, and the search is "
+                          f"{sweep.search}", "add `search: goodput`, or remove the goodput block")
+
     points = []
     grid_items = list(sweep.grid.items())
     for combo in itertools.product(*[v for _, v in grid_items]) if grid_items else [()]:
@@ -185,10 +212,29 @@ def plan(spec: ExperimentSpec) -> Plan:
                           f"use one of: {', '.join(produced)}")
     mode = "max" if metric == "val_accuracy" else "min"
     target = spec.target.value if spec.target and spec.target.metric == metric else None
-    return Plan(base, sweep, points, metric, mode, target,
-                trial_cpus=max(s.scaling.num_workers * s.scaling.cpus_per_worker for s in specs),
-                trial_gpus=max((s.scaling.num_workers * s.scaling.gpus_per_worker if s.scaling.use_gpu else 0)
-                               for s in specs))
+    p = Plan(base, sweep, points, metric, mode, target,
+             trial_cpus=max(s.scaling.num_workers * s.scaling.cpus_per_worker for s in specs),
+             trial_gpus=max((s.scaling.num_workers * s.scaling.gpus_per_worker if s.scaling.use_gpu else 0)
+                            for s in specs))
+    if sweep.search == "goodput":
+        check_goodput(p, "sweep.search: goodput")
+    return p
+
+
+def _check_goodput_search(sweep: SweepSpec) -> None:
+    g = sweep.goodput = sweep.goodput or GoodputSearch()
+    if g.min_trials < 1:
+        raise ConfigError("sweep.goodput.min_trials", g.min_trials, "must be >= 1",
+                          "use 2 (the predicted leader and the runner-up are both trained)")
+    if not g.margin >= 0:
+        raise ConfigError("sweep.goodput.margin", g.margin, "must be >= 0 (a fraction of the best time measured)",
+                          "use 0, or e.g. 0.1 to also train points predicted up to 10% slower")
+    if sweep.num_samples != 1:
+        raise ConfigError("sweep.num_samples", sweep.num_samples, "search: goodput trains each grid point once",
+                          "use 1")
+    if sweep.early_stopping is not None:
+        raise ConfigError("sweep.early_stopping", "set", "search: goodput stops every trial that has trained "
+                          "longer than the best time to the target itself", "remove early_stopping")
 
 
 def check_goodput(p: Plan, who: str) -> None:

@@ -25,6 +25,7 @@ from .config import ExperimentSpec
 from .driver import make_trainer, preflight, prepare_results_dir, ray_cluster
 from .metrics.efficiency import rank, summarize, workers_text
 from .metrics.records import RecordWriter, merge, progress_line, read_records, write_table
+from .goodput import GoodputSearcher, GoodputStopper, make_plan, plan_table
 from .sweep import Plan, describe, plan
 from .worker import steps_per_epoch
 
@@ -135,24 +136,30 @@ def run_sweep(spec: ExperimentSpec, address: str | None = None, resume: bool = F
             scheduler = tune.schedulers.ASHAScheduler(
                 time_attr="wall_time_s", grace_period=es.grace_period_s, reduction_factor=es.reduction_factor,
                 max_t=es.max_t_s or 10**6)  # seconds; rungs stop at max_t, so a bound is required
-        search_alg = None
+        search_alg = stopper = goodput = None
+        param_space = {"point": tune.grid_search(p.points) if len(p.points) > 1 else p.points[0]}
+        num_samples = p.sweep.num_samples
         if p.sweep.search == "optuna":
             from ray.tune.search.optuna import OptunaSearch
 
             search_alg = OptunaSearch()
-        param_space = {"point": tune.grid_search(p.points) if len(p.points) > 1 else p.points[0]}
+        elif p.sweep.search == "goodput":
+            goodput = _goodput_search(spec, p, address, log)
+            search_alg, stopper = goodput.searcher, GoodputStopper(goodput.searcher)
+            param_space, num_samples = {}, len(p.points)
         if p.sweep.random:
             param_space["random"] = {k: _domain(v) for k, v in p.sweep.random.items()}
-        log(f"{spec.name}: sweep of {len(p.points) * p.sweep.num_samples} trial(s), {n} at a time, "
-            f"judged by {p.metric}" + (f" (target {p.target:g})" if p.target is not None else ""))
+        log(f"{spec.name}: sweep of {'up to ' if goodput else ''}{len(p.points) * p.sweep.num_samples} trial(s), "
+            f"{n} at a time, judged by {p.metric}" + (f" (target {p.target:g})" if p.target is not None else ""))
         tuner = tune.Tuner(
             tune.with_resources(tune.with_parameters(_trial, base=p.base, sweep=p.sweep, storage=str(storage)),
                                 {"CPU": 0.001}),
             param_space=param_space,
             tune_config=tune.TuneConfig(
                 metric=p.metric if (scheduler or search_alg) else None, mode=p.mode if (scheduler or search_alg) else None,
-                num_samples=p.sweep.num_samples, max_concurrent_trials=n, scheduler=scheduler, search_alg=search_alg),
-            run_config=tune.RunConfig(name="tune", storage_path=str(results), callbacks=[recorder], verbose=0),
+                num_samples=num_samples, max_concurrent_trials=n, scheduler=scheduler, search_alg=search_alg),
+            run_config=tune.RunConfig(name="tune", storage_path=str(results), callbacks=[recorder], verbose=0,
+                                      stop=stopper),
         )
         if resume and tune.Tuner.can_restore(str(results / "tune")):
             tuner = tune.Tuner.restore(str(results / "tune"), trainable=tune.with_resources(
@@ -160,13 +167,62 @@ def run_sweep(spec: ExperimentSpec, address: str | None = None, resume: bool = F
                 resume_errored=True)
         tuner.fit()
     records = read_records(results / "metrics.parquet") if (results / "metrics.parquet").exists() else []
-    rows = rank([_trial_row(p, t, [r for r in records if r["trial"] == t["name"]]) for t in recorder.trials.values()],
-                p.mode)
+    rows = [_trial_row(p, t, [r for r in records if r["trial"] == t["name"]]) for t in recorder.trials.values()]
+    if goodput:
+        rows = goodput.rows(rows, recorder.trials)
+    rows = rank(rows, p.mode)
     path = write_table(results / "trials.parquet", rows)
     log("")
     log(trials_table(rows))
     log(f"{len(rows)} trials in {path}; records in {results / 'metrics.parquet'}")
     return SweepResult(results, rows, records)
+
+
+@dataclass
+class _Goodput:
+    """search: goodput: the plan's predictions and the searcher that trains by them."""
+
+    plan_rows: list[dict]
+    searcher: GoodputSearcher
+
+    def rows(self, trained: list[dict], trials: dict[str, dict]) -> list[dict]:
+        """trials.parquet's rows with the prediction beside what was measured, and one row per point
+        the search did not train (and why)."""
+        names = {tid: t["name"] for tid, t in trials.items()}
+        predicted = {names[tid]: r for tid, r in self.searcher.rows.items() if tid in names}
+        stopped = {names[tid] for tid in self.searcher.stopped if tid in names}
+        out = []
+        for row in trained:
+            r = predicted.get(row["trial"])
+            if row["trial"] in stopped:
+                row["status"] = "stopped: slower than the best"
+            out.append({**row, **_prediction(r)})
+        tried = {r["trial"] for r in self.searcher.rows.values()}
+        for r in self.plan_rows:
+            if r["trial"] in tried:
+                continue
+            why = ("not trained: does not fit in device memory" if r["fits"] is False else
+                   "not trained: predicted slower than the best")
+            spec_fields = {"trial": r["trial"], "overrides": r["overrides"], "strategy": r["strategy"],
+                           "num_workers": r["num_workers"], "global_batch_size": r["global_batch_size"], "lr": r["lr"],
+                           "status": why, "error": None}
+            out.append({**spec_fields, **_prediction(r)})
+        return out
+
+
+def _prediction(r: dict | None) -> dict:
+    keys = ("predicted_time_to_target_s", "predicted_steps_to_target", "predicted_step_time_s",
+            "statistical_efficiency")
+    return {"predicted_rank": r and r["rank"], **{k: r and r[k] for k in keys}}
+
+
+def _goodput_search(spec: ExperimentSpec, p: Plan, address: str | None, log) -> _Goodput:
+    """The plan (reference run and probes, on the cluster already started) and its searcher."""
+    gp = make_plan(spec, address, log=log)
+    log(f"goodput plan ({gp.seconds:.0f} s, in {gp.path}):")
+    log(plan_table(gp.rows))
+    g = p.sweep.goodput
+    return _Goodput(gp.rows, GoodputSearcher(gp.rows, p.metric, p.mode, p.target, g.min_trials, g.margin, log=log))
 
 
 def _trial_row(p: Plan, trial: dict, records: list[dict]) -> dict:
@@ -192,10 +248,17 @@ def trials_table(rows: list[dict]) -> str:
     metric = next((r["metric"] for r in rows if r.get("metric")), "metric")
     head = ["#", "trial", "strategy", "workers", "batch", "lr", "to_target_s", "to_target_ep", f"best_{metric}",
             "s/step", "samples/s", "peak_MiB", "status"]
-    body = [[str(i + 1), r["trial"], r["strategy"], workers_text(r), str(r["global_batch_size"]),
-             f(r.get("lr"), ".3g"), f(r.get("time_to_target_s"), ".1f"), f(r.get("epochs_to_target"), ".2f"),
-             f(r.get("best_metric"), ".4g"), f(r.get("mean_step_time_s"), ".3f"), f(r.get("throughput"), ".1f"),
-             f(None if r.get("mem_peak_bytes") is None else r["mem_peak_bytes"] / 2**20, ".0f"), r["status"]]
-            for i, r in enumerate(rows)]
+    predicted = any(r.get("predicted_time_to_target_s") is not None for r in rows)
+    if predicted:
+        head.insert(7, "predicted_s")
+    body = []
+    for i, r in enumerate(rows):
+        line = [str(i + 1), r["trial"], r["strategy"], workers_text(r), str(r["global_batch_size"]),
+                f(r.get("lr"), ".3g"), f(r.get("time_to_target_s"), ".1f"), f(r.get("epochs_to_target"), ".2f"),
+                f(r.get("best_metric"), ".4g"), f(r.get("mean_step_time_s"), ".3f"), f(r.get("throughput"), ".1f"),
+                f(None if r.get("mem_peak_bytes") is None else r["mem_peak_bytes"] / 2**20, ".0f"), r["status"]]
+        if predicted:
+            line.insert(7, f(r.get("predicted_time_to_target_s"), ".1f"))
+        body.append(line)
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     return "\n".join(["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *body]])

@@ -34,7 +34,12 @@ def with_(path: str, value):
     return raw
 
 
-DELETE = object()
+class _Delete:
+    def __repr__(self):
+        return "<deleted>"
+
+
+DELETE = _Delete()
 
 BAD = [
     # (mutation path, value, field named in the error, words of the problem or fix)

@@ -108,23 +108,110 @@ def test_cli_plan_refuses_before_a_cluster_starts(override, words, monkeypatch, 
     assert not (tmp_path / "results").exists()
 
 
+def _rows(*times, fits=True):
+    return [{"trial": f"p{i}", "overrides": json.dumps({"train.global_batch_size": 8 * (i + 1)}), "rank": i + 1,
+             "predicted_time_to_target_s": t, "fits": fits} for i, t in enumerate(times)]
+
+
+def _reach(searcher, trial_id, wall_s, every=5.0):
+    """Evaluations of one trial every `every` seconds whose loss crosses 3.0 at `wall_s`."""
+    t = every
+    while True:
+        loss = 3.0 - (t - wall_s) / every * 0.5
+        searcher.on_trial_result(trial_id, {"step": int(t), "wall_time_s": t, "val_loss": loss})
+        if loss <= 3.0:
+            return
+        t += every
+
+
+def test_the_searcher_trains_in_predicted_order_and_stops_once_the_leader_is_confirmed():
+    from ray.tune.search import Searcher
+
+    from raytrain_par.goodput import GoodputSearcher, GoodputStopper
+
+    rows = _rows(10.0, 12.0, 30.0, 40.0) + [{**_rows(5.0)[0], "trial": "too-big", "fits": False}]
+    s = GoodputSearcher(rows, "val_loss", "min", 3.0, min_trials=2, log=lambda *_: None)
+    stop = GoodputStopper(s)
+    assert s.suggest("t1") == {"point": {"train.global_batch_size": 8}}  # the leader; the 5 s one does not fit
+    assert s.suggest("t2") == {"point": {"train.global_batch_size": 16}}  # min_trials: the runner-up too
+    assert s.suggest("t3") is None  # nothing measured yet to decide on: wait
+    _reach(s, "t1", 20.0)
+    s.on_trial_complete("t1")
+    assert s.best() == pytest.approx(20.0) and s.calibration() == pytest.approx(2.0)
+    # t2 has trained longer than the best time to target without reaching it: it cannot win
+    assert not stop("t2", {"wall_time_s": 15.0}) and stop("t2", {"wall_time_s": 25.0})
+    assert s.stopped == {"t2"}
+    s.on_trial_complete("t2")
+    # the next point is predicted at 30 s x 2 (predictions were half the measured) > 20 s: done
+    assert s.suggest("t3") == Searcher.FINISHED
+
+
+def test_a_faster_runner_up_and_a_margin_keep_the_search_going():
+    from ray.tune.search import Searcher
+
+    from raytrain_par.goodput import GoodputSearcher
+
+    s = GoodputSearcher(_rows(10.0, 12.0, 13.0, 40.0), "val_loss", "min", 3.0, min_trials=1, margin=0.5,
+                        log=lambda *_: None)
+    s.suggest("t1")
+    _reach(s, "t1", 10.0)
+    s.on_trial_complete("t1")
+    # calibration 1: 12 < 10 x 1.5 and 13 < 15 are worth training; 40 is not
+    assert s.suggest("t2")["point"] == {"train.global_batch_size": 16}
+    _reach(s, "t2", 8.0)  # faster than predicted: the best is now 8 s, calibration (1 + 8/12) / 2
+    s.on_trial_complete("t2")
+    assert s.best() == pytest.approx(8.0) and s.calibration() == pytest.approx((1 + 8 / 12) / 2)
+    assert s.suggest("t3")["point"] == {"train.global_batch_size": 24}  # 13 x 0.83 = 10.8 < 12
+    _reach(s, "t3", 30.0)
+    s.on_trial_complete("t3")
+    assert s.suggest("t4") == Searcher.FINISHED  # 40 x 1 > 8 x 1.5
+
+
+@pytest.mark.parametrize("sweep,field,words", [
+    ({"search": "goodput", "grid": {"train.global_batch_size": [8, 16]}, "goodput": {"min_trials": 0}},
+     "sweep.goodput.min_trials", "must be >= 1"),
+    ({"search": "goodput", "grid": {"train.global_batch_size": [8, 16]}, "num_samples": 2},
+     "sweep.num_samples", "trains each grid point once"),
+    ({"search": "goodput", "grid": {"train.global_batch_size": [8, 16]}, "early_stopping": {}},
+     "sweep.early_stopping", "stops every trial"),
+    ({"grid": {"train.global_batch_size": [8, 16]}, "goodput": {"margin": 0.1}}, "sweep.goodput", "search: goodput"),
+    ({"search": "goodput", "grid": {"scaling.num_workers": [1, 2]}}, "sweep.grid.train.global_batch_size",
+     "the search space has one"),
+])
+def test_a_goodput_search_is_checked_before_start(sweep, field, words):
+    with pytest.raises(ConfigError) as err:
+        plan(config.parse({**BASE, "sweep": sweep}))
+    assert err.value.field == field and words in str(err.value) and "fix:" in str(err.value)
+
+
+def test_a_goodput_search_without_a_target_is_refused_by_check(tmp_path, capsys):
+    f = tmp_path / "e.yaml"
+    f.write_text(yaml.safe_dump({**BASE, "target": None,
+                                 "sweep": {"search": "goodput", "grid": {"train.global_batch_size": [8, 16]}}}))
+    assert cli.main(["check", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "sweep.search: goodput predicts the time to reach a target" in err and "fix:" in err
+
+
 @pytest.mark.ray
-def test_plan_end_to_end(ray_cluster, tmp_path):
-    """The reference trains to the target measuring the noise scale and times its own layout; one probe
-    run times the per-worker batch it did not; every point gets a prediction."""
-    from raytrain_par.goodput import make_plan
+def test_goodput_search_end_to_end(ray_cluster, tmp_path):
+    """`sweep` with search: goodput: the plan (the reference trains to the target measuring the noise
+    scale; one probe run times the per-worker batch it did not; every point gets a prediction), then the
+    predicted leader alone is trained (min_trials 1), its measured time beside the prediction."""
     from raytrain_par.metrics.records import read_records
+    from raytrain_par.report import write_report
+    from raytrain_par.tuning import run_sweep
 
     raw = {**BASE, "data": {**BASE["data"], "max_val_samples": 16}, "output_dir": str(tmp_path),
            "train": {"global_batch_size": 16, "max_steps": 15, "eval_every_steps": 3, "lr": 3e-3,
                      "checkpoint_every_evals": 0},
-           "target": "val_loss <= 5.4", "sweep": {"grid": {"train.global_batch_size": [8, 16]}, "lr_scaling": "sqrt"}}
-    result = make_plan(config.parse(raw), log=print)
+           "target": "val_loss <= 5.4", "sweep": {"grid": {"train.global_batch_size": [8, 16]}, "lr_scaling": "sqrt",
+                                                  "search": "goodput", "goodput": {"min_trials": 1}}}
+    result = run_sweep(config.parse(raw), log=print)
     ref = read_records(tmp_path / "g" / "plan" / "reference" / "metrics.parquet")
     assert ref[-1]["target_met"] and all(r["grad_noise_scale"] > 0 for r in ref if r["step"] > 0)
-    assert ref[-2]["step"] < result.reference.steps <= ref[-1]["step"] and result.reference.noise_scale > 0
     rows = read_records(tmp_path / "g" / "plan.parquet")
-    assert [r["trial"] for r in rows] == [r["trial"] for r in result.rows] and len(rows) == 2
+    assert len(rows) == 2 and rows[0]["predicted_time_to_target_s"] <= rows[1]["predicted_time_to_target_s"]
     by = {r["trial"]: r for r in rows}
     for r in rows:
         assert r["predicted_time_to_target_s"] == pytest.approx(r["predicted_steps_to_target"]
@@ -136,6 +223,18 @@ def test_plan_end_to_end(ray_cluster, tmp_path):
     for r in rows:
         assert min(probed.values()) - 1e-9 <= r["predicted_step_time_s"] <= max(probed.values()) + 1e-9
     # the reference's batch: its own steps, efficiency 1; a smaller batch: more steps, each row worth more
-    assert by["b16"]["predicted_steps_to_target"] == pytest.approx(result.reference.steps)
+    reference_steps = ref[-1]["step"]
+    assert ref[-2]["step"] < by["b16"]["predicted_steps_to_target"] <= reference_steps
     assert by["b16"]["statistical_efficiency"] == 1.0 < by["b8"]["statistical_efficiency"]
     assert by["b8"]["predicted_steps_to_target"] > by["b16"]["predicted_steps_to_target"]
+    # the leader trained to its target, no further; the other point is in trials.parquet, untrained
+    trials = {r["trial"].split("-", 1)[-1]: r for r in read_records(tmp_path / "g" / "trials.parquet")}
+    leader, other = rows[0]["trial"], rows[1]["trial"]
+    assert trials[leader]["target_reached"] and trials[leader]["time_to_target_s"] > 0
+    assert trials[leader]["predicted_time_to_target_s"] == pytest.approx(rows[0]["predicted_time_to_target_s"])
+    assert trials[leader]["predicted_rank"] == 1 and trials[other]["predicted_rank"] == 2
+    assert trials[other]["status"] == "not trained: predicted slower than the best"
+    assert {r["trial"] for r in result.records} == {trials[leader]["trial"]}
+    files = write_report(tmp_path / "g")
+    assert (tmp_path / "g" / "predicted_vs_measured.png") in files
+    assert "Predicted (`search: goodput`) against measured" in (tmp_path / "g" / "summary.md").read_text()

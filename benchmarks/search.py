@@ -1,0 +1,144 @@
+"""Goodput search against the whole grid: does `search: goodput` pick the grid's fastest point to the
+target, and in what share of the grid's time?
+
+    python benchmarks/search.py [--experiment experiments/goodput-search.yaml] [--set FIELD=VALUE ...]
+
+Runs the experiment's sweep twice on one embedded Ray cluster, one trial at a time: first over the
+whole grid (search: grid, every point trained until its target), then with search: goodput (the plan's
+reference run and probes, then the points it predicts may win). Each total is the wall time of the
+sweep, trial start-ups and the plan included. Prints, and writes to benchmarks/results/search.json and
+docs/goodput-search.md (with docs/results/search/predicted_vs_measured.png):
+
+- the grid's best time to target and the search's pick, with the pick's time in the grid's run (same
+  conditions as the best) and in the search's own run;
+- the predicted time to target of every point beside the grid's measured one;
+- the total time of each.
+
+Targets: the pick's time within 10% of the grid's best; the search's total at most 1/3 of the grid's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from common import DOCS, markdown_table, print_table, write_json, write_page
+
+from raytrain_par.config import load_experiment
+from raytrain_par.driver import ray_cluster
+from raytrain_par.metrics.records import read_records
+from raytrain_par.report import _predicted_vs_measured
+from raytrain_par.sweep import plan
+from raytrain_par.tuning import run_sweep
+
+HERE = Path(__file__).resolve().parent
+PICK_WITHIN, TIME_SHARE = 0.10, 1 / 3
+
+
+def _point(trial: str) -> str:
+    """A trial's point without Tune's counter ('00003-w2-b64' -> 'w2-b64')."""
+    head, _, rest = trial.partition("-")
+    return rest if head.isdigit() and rest else trial
+
+
+def sweep(spec, search: str, work: Path, overrides: list[str], experiment: str) -> tuple[float, list[dict]]:
+    s = load_experiment(experiment, [*overrides, f"sweep.search={search}", f"output_dir={work / search}",
+                                     "sweep.max_concurrent_trials=1"])
+    t0 = time.perf_counter()
+    result = run_sweep(s, log=lambda line: print(f"[{search}] {line}", flush=True))
+    return time.perf_counter() - t0, result.trials
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--experiment", default=str(HERE.parent / "experiments" / "goodput-search.yaml"))
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="experiment override")
+    p.add_argument("--out", help="JSON file (default benchmarks/results/search.json)")
+    p.add_argument("--page", help="Markdown page (default docs/goodput-search.md)")
+    a = p.parse_args()
+    spec = load_experiment(a.experiment, a.set)
+    grid_plan = plan(spec)  # the sweep block, checked before anything starts
+    work = Path(tempfile.mkdtemp(prefix="raytrain-par-search-"))
+    biggest = max((grid_plan.trial_spec(pt) for pt in grid_plan.points), key=lambda s: s.scaling.num_workers)
+    with ray_cluster(biggest):
+        grid_s, grid = sweep(spec, "grid", work, a.set, a.experiment)
+        search_s, searched = sweep(spec, "goodput", work, a.set, a.experiment)
+
+    measured = {_point(r["trial"]): r.get("time_to_target_s") for r in grid}
+    reached = {k: v for k, v in measured.items() if v is not None}
+    if not reached:
+        raise SystemExit(f"no grid point reached the target: raise train.max_steps or ease the target ({a.experiment})")
+    best_point = min(reached, key=reached.get)
+    trained = [r for r in searched if r.get("time_to_target_s") is not None]
+    pick = min(trained, key=lambda r: r["time_to_target_s"]) if trained else None
+    pick_point = _point(pick["trial"]) if pick else None
+    pick_grid_s = measured.get(pick_point) if pick else None
+    pick_ok = pick_grid_s is not None and pick_grid_s <= (1 + PICK_WITHIN) * reached[best_point]
+    share = search_s / grid_s
+    time_ok = share <= TIME_SHARE
+    n_trained = sum(1 for r in searched if not str(r.get("status", "")).startswith("not trained"))
+
+    predicted = {_point(r["trial"]): r for r in searched}
+    head = ["point", "predicted rank", "predicted s", "grid measured s", "grid rank", "search"]
+    grid_rank = {k: i + 1 for i, k in enumerate(sorted(reached, key=reached.get))}
+    rows = []
+    for point, r in sorted(predicted.items(), key=lambda kv: kv[1].get("predicted_rank") or 10**6):
+        rows.append([point, r.get("predicted_rank"), _f(r.get("predicted_time_to_target_s")), _f(measured.get(point)),
+                     grid_rank.get(point, "not reached"),
+                     f"{r['status']} ({_f(r.get('time_to_target_s'))} s)" if r.get("time_to_target_s") else r["status"]])
+    print()
+    print_table(head, rows)
+    summary_head = ["", "time to target (s)", "total time (s)", "trials trained"]
+    summary = [["grid: best", f"{best_point}: {reached[best_point]:.1f}", f"{grid_s:.0f}", len(grid)],
+               ["goodput search: pick", f"{pick_point}: {_f(pick_grid_s)} in the grid's run, "
+                f"{_f(pick and pick['time_to_target_s'])} in its own", f"{search_s:.0f}", n_trained]]
+    print()
+    print_table(summary_head, summary)
+    verdicts = [f"pick within {PICK_WITHIN:.0%} of the grid's best: {'met' if pick_ok else 'NOT met'}",
+                f"search's total time {share:.2f} of the grid's (target <= {TIME_SHARE:.2f}): "
+                f"{'met' if time_ok else 'NOT met'}"]
+    for v in verdicts:
+        print(v)
+
+    figure = DOCS / "results" / "search" / "predicted_vs_measured.png"
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    points = [{"trial": k, "predicted_time_to_target_s": r.get("predicted_time_to_target_s"),
+               "time_to_target_s": measured.get(k)} for k, r in predicted.items()
+              if r.get("predicted_time_to_target_s") is not None]
+    _predicted_vs_measured(points, f"{spec.name}: predicted (goodput plan) against the grid's measured", figure)
+    payload = {"experiment": spec.name, "grid_total_s": grid_s, "search_total_s": search_s, "share": share,
+               "grid_best": {"point": best_point, "time_to_target_s": reached[best_point]},
+               "pick": {"point": pick_point, "grid_time_to_target_s": pick_grid_s,
+                        "search_time_to_target_s": pick and pick["time_to_target_s"]},
+               "pick_ok": pick_ok, "time_ok": time_ok, "grid": grid, "search": searched}
+    print(f"written {write_json('search', json.loads(json.dumps(payload, default=str)), a.out)}")
+    t = spec.train
+    page = write_page("goodput-search", "Goodput search against the whole grid", f"""
+`{spec.name}` ({spec.model.name} on {spec.data.name}, target {spec.target}, up to {t.max_steps} steps, lr scaled by {grid_plan.sweep.lr_scaling} from
+{t.lr:g} at batch {t.global_batch_size}): the sweep's {len(grid_plan.points)} grid points, trained one
+at a time until the target (`search: grid`), then `search: goodput` on the same cluster. Totals count
+the whole sweep: trial start-ups, and for the search its plan (reference run and probes).
+
+{markdown_table(summary_head, summary)}
+
+**{verdicts[0]}. {verdicts[1][0].upper() + verdicts[1][1:]}.**
+
+Every point, in the order the plan predicted (predicted and measured are training seconds, as
+`time_to_target_s` counts them):
+
+{markdown_table(head, rows)}
+
+![predicted against measured](results/search/predicted_vs_measured.png)
+""", a.page)
+    print(f"written {page}")
+
+
+def _f(v):
+    return "-" if v is None else f"{v:.1f}"
+
+
+if __name__ == "__main__":
+    main()
