@@ -70,16 +70,24 @@ def strategy_key(spec: ExperimentSpec) -> str:
 
 def reference_spec(spec: ExperimentSpec) -> tuple[ExperimentSpec, str | None]:
     """The experiment's own configuration, stopping at the target, with its records kept under plan/;
-    ddp on two workers or more where its own engine does not measure the noise scale (and why)."""
+    where its own strategy, layout or precision does not measure the noise scale (pipelines, a single
+    data-parallel replica, fp16's loss scaling), ddp on two workers or more in fp32 or bf16 (and why)."""
+    from .strategies import engine_class
+
     raw = spec.to_dict()
     raw.update(sweep=None, name="reference", output_dir=str(spec.results_dir / "plan"))
     raw["train"].update(stop_at_target=True, eval_at_start=True)
     note = None
-    if spec.strategy.name != "ddp" or spec.scaling.num_workers < 2:
+    if not engine_class(spec.strategy.name).measures_noise_scale(spec.strategy.options, spec.train, spec.layout):
         workers = max(2, spec.scaling.num_workers)
-        note = (f"{spec.strategy.name} on {spec.scaling.num_workers} worker(s) does not measure the gradient noise "
-                f"scale: the reference trains with ddp on {workers} workers (same model, data, batch and lr)")
+        precision = "fp32" if spec.train.precision == "fp16" else spec.train.precision
+        what = f"{spec.strategy.name} on {spec.scaling.num_workers} worker(s)"
+        if spec.train.precision == "fp16":
+            what += " in fp16 (its gradients are loss-scaled)"
+        note = (f"{what} does not measure the gradient noise scale: the reference trains with ddp on {workers} "
+                f"workers in {precision} (same model, data, batch and lr)")
         raw["strategy"], raw["scaling"]["num_workers"] = {"name": "ddp"}, workers
+        raw["train"]["precision"] = precision
     try:
         return parse(raw), note
     except ConfigError as e:

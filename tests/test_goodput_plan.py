@@ -89,6 +89,31 @@ def test_what_a_prediction_needs_is_checked_before_start(changes, field, words):
     assert err.value.field == field and words in str(err.value) and "fix:" in str(err.value)
 
 
+@pytest.mark.parametrize("strategy,workers,precision,trained", [
+    ({"name": "zero-2"}, 2, "bf16", ("zero-2", 2, "bf16")),
+    ({"name": "fsdp"}, 4, "fp32", ("fsdp", 4, "fp32")),
+    ({"name": "megatron", "tensor_parallel": 2}, 4, "fp32", ("megatron", 4, "fp32")),
+    ({"name": "megatron", "tensor_parallel": 2}, 2, "fp32", ("ddp", 2, "fp32")),  # one data-parallel replica
+    ({"name": "pipeline", "stages": 2}, 4, "fp32", ("ddp", 4, "fp32")),
+    ({"name": "ddp"}, 1, "fp32", ("ddp", 2, "fp32")),
+    ({"name": "zero-1"}, 2, "fp16", ("ddp", 2, "fp32")),  # loss-scaled gradients
+], ids=["zero-2", "fsdp", "megatron-t2-d2", "megatron-t2-d1", "pipeline", "ddp-alone", "zero-1-fp16"])
+def test_the_reference_trains_the_experiments_own_strategy_where_it_measures_the_noise_scale(
+        strategy, workers, precision, trained):
+    from raytrain_par.goodput import reference_spec
+
+    scaling = {"num_workers": workers, "use_gpu": precision == "fp16"}  # fp16 trains on GPUs only
+    spec = config.parse({**BASE, "strategy": strategy, "scaling": scaling,
+                         "train": {**BASE["train"], "precision": precision}})
+    ref, note = reference_spec(spec)
+    assert (ref.strategy.name, ref.scaling.num_workers, ref.train.precision) == trained
+    assert ref.train.stop_at_target and ref.train.global_batch_size == spec.train.global_batch_size
+    if trained == (spec.strategy.name, workers, precision):
+        assert note is None and ref.strategy.options == spec.strategy.options
+    else:
+        assert f"{spec.strategy.name} on {workers} worker(s)" in note and "does not measure" in note
+
+
 @pytest.mark.parametrize("override,words", [
     ("target=null", "the experiment has none"),
     ("sweep={grid: {scaling.num_workers: [1, 2]}}", "the search space has one"),

@@ -4,14 +4,15 @@ The simple noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018, "An
 Large-Batch Training", appendix A.1) says how large a batch can grow before more samples per step
 stop buying fewer steps: steps to a target go as S_min (1 + B_noise / B). It is estimated from the
 squared norms of the mean gradient over two batch sizes that training already has. A data-parallel
-worker's own gradient, before the all-reduce, is the mean over its b rows; the reduced gradient is
+worker's own gradient, before the all-reduce, is the mean over its b rows (or, where an engine sees
+one micro-batch at a time, each micro-batch's is the mean over its rows); the reduced gradient is
 the mean over all B rows; in expectation
 
     E|G_b|^2 = |G|^2 + tr(Sigma) / b,
 
 so two batch sizes give |G|^2 = (B |G_B|^2 - b |G_b|^2) / (B - b) and
 tr(Sigma) = (|G_b|^2 - |G_B|^2) / (1/b - 1/B). The |G_b|^2 of every worker are averaged (one
-scalar all-reduce per step; no gradient moves twice). Each estimate is noisy, and the ratio of two
+all-reduce of a few scalars per step; no gradient moves twice; strategies/base.py `note_noise`). Each estimate is noisy, and the ratio of two
 noisy estimates is biased, so the two are smoothed separately (exponential moving averages) and
 divided only when read, as the paper and AdaptDL do.
 

@@ -320,6 +320,68 @@ class Engine(ABC):
         if now["mem_model_state_bytes"] >= self._peak_state.get("mem_model_state_bytes", -1):
             self._peak_state = now
 
+    # -- the gradient noise scale (metrics/goodput.py) -------------------------------------------
+    # A sample per optimizer step compares the gradient of a small batch -- one data-parallel
+    # replica's own rows, before they are reduced -- with the reduced gradient of the global batch.
+    # Engines collect the small batches' squared norms into `_local_sq` where the local gradient is
+    # whole (a communication hook, or tensor hooks on the parameters), as [squares this rank alone
+    # holds in its tensor-parallel group, squares every rank of that group holds alike], and call
+    # `note_noise` after the backward passes of a step: one all-reduce of four scalars.
+
+    #: whether this engine, as built, measures the noise scale (see `measures_noise_scale`)
+    measures_noise: bool = False
+
+    @classmethod
+    def measures_noise_scale(cls, options, train, layout: Layout) -> bool:
+        """Whether training with these options measures the gradient noise scale (the `plan`
+        reference run needs it). It takes a batch smaller than the global one whose gradient the
+        engine sees before it is reduced: another data-parallel replica's, or a micro-batch's."""
+        return False
+
+    def _start_noise(self) -> None:
+        self.measures_noise = True
+        self._local_sq = torch.zeros(2, device=self.device)
+
+    def add_local_squares(self, grads: list[torch.Tensor], replicated: bool = False) -> None:
+        """Add the squared norm of gradients not yet reduced (`replicated`: the same on every rank of
+        the tensor-parallel group, counted once)."""
+        if grads:
+            self._local_sq[int(replicated)] += torch.nn.utils.get_total_norm(grads).to(self._local_sq) ** 2
+
+    def watch_local_gradients(self, params: Iterable[nn.Parameter]) -> None:
+        """Tensor hooks: autograd calls them with each backward pass's gradient of a parameter,
+        before it is accumulated into `.grad` and before any hook that reduces it. (For an engine
+        that reduces gradients in hooks of its own, where the local gradient is never whole after
+        the backward pass.)"""
+        for p in params:
+            if p.requires_grad:
+                p.register_hook(self._local_square_hook)
+
+    def _local_square_hook(self, grad: torch.Tensor) -> None:
+        self._local_sq[0] += torch.linalg.vector_norm(grad, dtype=torch.float32).to(self._local_sq) ** 2
+
+    def note_noise(self, local_rows: int, reduced: torch.Tensor, copies: int | None = None,
+                   small_batches: int = 1) -> None:
+        """One sample of the noise scale, after the backward passes of a step and before clipping.
+
+        `local_rows`: the rows this data-parallel replica trained on in the step; `small_batches`: how
+        many gradients of them went into `_local_sq` (the micro-batches, each of the loss divided by
+        their number, where an engine sees them one by one; 1 where it sees their sum).
+        `reduced`: the squared norm of the reduced gradient, or, with `copies`, this rank's part of
+        it as [own, replicated over the tensor-parallel group] squares, each held by `copies`
+        data-parallel ranks (the replicas where it is replicated, 1 where it is sharded)."""
+        if copies is None:
+            parts = torch.cat([self._local_sq, torch.zeros_like(self._local_sq)])
+        else:
+            parts = torch.cat([self._local_sq, reduced.reshape(2).to(self._local_sq)])
+        dist.all_reduce(parts)  # every rank: the replicas, and their tensor-parallel ranks
+        t, d, n = self.layout.tensor, self.dp_size, small_batches
+        # mean over the d x n small batches; each gradient of the loss / n: squares times n^2
+        small = n * (parts[0] + parts[1] / t) / d
+        big = reduced.to(small) if copies is None else (parts[2] + parts[3] / t) / copies
+        self.noise.update(local_rows // n, small, local_rows * d, big)
+        self._local_sq.zero_()
+
     def statistics(self) -> dict[str, float | None]:
         """Training statistics for the record: the gradient noise scale, where this engine measures
         it (None where it does not, or cannot: one worker sees no second batch size)."""

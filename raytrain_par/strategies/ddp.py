@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -50,14 +49,20 @@ def _norm_then_allreduce(engine: "DDPEngine", bucket):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     flat = bucket.buffer()
-    engine._local_sq += torch.dot(flat, flat).to(engine._local_sq) if flat.is_floating_point() else 0
+    if flat.is_floating_point():
+        engine.add_local_squares([flat])
     return allreduce_hook(None, bucket)
 
 
 class DDPEngine(Engine):
     Options = Options
     sharding = Sharding()  # nothing sharded: every rank holds every model state
-    measures_noise = False  # the gradient noise scale needs a second batch size: 2 or more workers
+
+    @classmethod
+    def measures_noise_scale(cls, options, train, layout):
+        """Each worker's gradient over its whole local batch against the reduced one: 2 or more
+        workers, and no loss scaling (fp16)."""
+        return layout.data > 1 and not cls.scaler_needed(train)
 
     @classmethod
     def model_state_bytes(cls, options, train, dp, num_params):
@@ -80,9 +85,8 @@ class DDPEngine(Engine):
             )
             # Each worker's own gradient is in the buckets just before they are all-reduced: the
             # gradient noise scale takes its squared norm there (no copy, one scalar per bucket).
-            self.measures_noise = self.scaler_needed(train) is False
-            if self.measures_noise:
-                self._local_sq = torch.zeros((), device=self.device)
+            if self.measures_noise_scale(options, train, self.layout):
+                self._start_noise()
                 self.module.register_comm_hook(self, _norm_then_allreduce)
         else:
             self.module = self.model
@@ -112,21 +116,12 @@ class DDPEngine(Engine):
         norm = None
         if self.train.grad_clip:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
-        if self.measures_noise:
-            self._note_noise(self.task.samples_of(batch), norm)
+        if self.measures_noise:  # this worker's whole local gradient was summed in the all-reduce hook
+            if norm is None:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+            self.note_noise(self.task.samples_of(batch), norm ** 2)
         self.optimizer_step(self._scaled_step if self.scaler else None)
         return total
-
-    def _note_noise(self, rows: int, reduced_norm: torch.Tensor | None) -> None:
-        """One sample of the gradient noise scale: this worker's gradient over its `rows` rows (summed
-        in the all-reduce hook) against the reduced one over every worker's rows (before clipping)."""
-        small = self._local_sq.clone()
-        dist.all_reduce(small)
-        small /= self.ctx.world_size
-        if reduced_norm is None:
-            reduced_norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-        self.noise.update(rows, small, rows * self.ctx.world_size, reduced_norm.to(small) ** 2)
-        self._local_sq.zero_()
 
     def _scaled_step(self) -> None:
         self.scaler.step(self.optimizer)

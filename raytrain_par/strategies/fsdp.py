@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..metrics.memory import Sharding, StateBytes
 from .layout import Layout
-from .base import DTYPES, DistContext, Engine, build_optimizer, check_host_memory, load_tensors, lr_factor, split_batch
+from .base import (DTYPES, DistContext, Engine, build_optimizer, check_host_memory, load_tensors, local_tensor,
+                   lr_factor, split_batch)
 
 
 @dataclass
@@ -68,6 +70,25 @@ class Options:
         return Layout.of(num_workers, sharding="fsdp")
 
 
+class NormThenReduceScatter:
+    """FSDP2's reduce-scatter (torch's `ReduceScatter` interface, set by `set_custom_reduce_scatter`;
+    checked against torch 2.13) that first adds the squared norm of its input: this rank's whole
+    unsharded gradient of one unit (summed over the micro-batches, padded with zeros), flat, in the
+    reduce dtype -- where the gradient noise scale takes a worker's own gradient, as DDP's
+    communication hook does (one scalar per unit, no copy)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self.engine.add_local_squares([input_tensor])
+        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+                                          async_op=async_op)
+
+
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules that become FSDP units (before the root): the model's declared blocks
     (`_no_split_modules`), else every module that owns parameters directly."""
@@ -90,7 +111,7 @@ class FSDPEngine(Engine):
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
         # imported before the base class takes its memory baseline (imports are not model state)
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         super().__init__(model, task, train, options, ctx, total_steps)
 
@@ -104,9 +125,21 @@ class FSDPEngine(Engine):
             for unit in shard_units(self.model):
                 fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **kwargs)
             fully_shard(self.model, **kwargs)
+            if self.measures_noise_scale(options, train, self.layout):
+                self._start_noise()
+                comm = NormThenReduceScatter(self)
+                for m in self.model.modules():
+                    if isinstance(m, FSDPModule):
+                        m.set_custom_reduce_scatter(comm)
         self.module = self.model
         self.optimizer = build_optimizer(self.model, train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train, total_steps))
+
+    @classmethod
+    def measures_noise_scale(cls, options, train, layout):
+        """Each worker's gradient over its whole local batch against the reduced one: 2 or more
+        workers."""
+        return layout.data > 1
 
     def autocast(self):
         # Sharded: the MixedPrecisionPolicy casts. One process (nothing to shard): plain autocast.
@@ -122,6 +155,12 @@ class FSDPEngine(Engine):
                 loss = self.task.loss(self.module, self.prepare(mb)) / len(micro)
             loss.backward()
             total += loss.detach()
+        if self.measures_noise:
+            # The reduced gradient's squares from this rank's shards, summed with the others' in the
+            # one all-reduce (clip_grad_norm_'s norm is a DTensor whose value needs one of its own).
+            shards = [local_tensor(p.grad) for p in self.module.parameters() if p.grad is not None]
+            squares = torch.nn.utils.get_total_norm(shards) ** 2
+            self.note_noise(self.task.samples_of(batch), torch.stack([squares, torch.zeros_like(squares)]), copies=1)
         if self.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.train.grad_clip)
         self.optimizer_step()

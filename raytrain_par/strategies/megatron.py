@@ -301,9 +301,15 @@ def _run_attention_in_split_region(lm: nn.Module) -> None:
 
 
 def _count_ddp_allreduce(engine: "MegatronEngine", bucket):
-    """DDP comm hook: PyTorch's default all-reduce, counting the bytes it sends."""
+    """DDP comm hook: PyTorch's default all-reduce, counting the bytes it sends; where the gradient
+    noise scale is measured, first adding the squared norm of this replica's own gradient (split
+    parameters apart from those every tensor-parallel rank holds alike)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+    if engine.measures_noise:
+        grads = list(zip(bucket.parameters(), bucket.gradients()))
+        engine.add_local_squares([g for p, g in grads if engine.names[p] in engine.splits])
+        engine.add_local_squares([g for p, g in grads if engine.names[p] not in engine.splits], replicated=True)
     engine.dp_bytes += bucket.buffer().numel() * bucket.buffer().element_size()
     return allreduce_hook(engine.dp_group, bucket)
 
@@ -408,6 +414,8 @@ class MegatronEngine(Engine):
             self.module = DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 process_group=self.dp_group, bucket_cap_mb=options.bucket_cap_mb, gradient_as_bucket_view=True)
+            if self.measures_noise_scale(options, train, self.layout):
+                self._start_noise()
             self.module.register_comm_hook(self, _count_ddp_allreduce)
         else:
             self.module = self.model
@@ -417,6 +425,12 @@ class MegatronEngine(Engine):
         self.activation_bytes: int | None = None
         self.step_comm = {"comm_tp_allreduce_bytes_per_step": 0,
                           "comm_dp_allreduce_bytes_per_step": None if self.fsdp else 0}
+
+    @classmethod
+    def measures_noise_scale(cls, options, train, layout):
+        """Each data-parallel replica's gradient over its whole local batch against the reduced one: 2 or
+        more replicas held by DDP (data_parallel_sharding none), no stages."""
+        return options.stages == 1 and options.data_parallel_sharding == "none" and layout.data > 1
 
     # -- training ----------------------------------------------------------------------------------
     def train_step(self, batch):
@@ -442,8 +456,13 @@ class MegatronEngine(Engine):
                     self.activation_bytes = saved.peak
                 loss.backward()
             total += loss.detach()
-        if self.train.grad_clip:
-            self.clip_grad_norm(self.train.grad_clip)
+        norm = self.clip_grad_norm(self.train.grad_clip) if self.train.grad_clip else None
+        if self.measures_noise:  # each replica's own gradient was summed in the all-reduce hook
+            rows = self.task.samples_of(batch)
+            if norm is not None:
+                self.note_noise(rows, norm ** 2)
+            else:  # every replica holds the reduced gradient whole
+                self.note_noise(rows, self.grad_squares(), copies=self.dp_size)
         self.optimizer_step()
         self.step_comm = {"comm_tp_allreduce_bytes_per_step": self.tp.bytes_reduced,
                           "comm_dp_allreduce_bytes_per_step": None if self.fsdp else self.dp_bytes}
@@ -454,17 +473,22 @@ class MegatronEngine(Engine):
         squares summed over the tensor-parallel group, replicated ones (identical on every rank of it)
         once; under fsdp each rank holds a slice of every gradient, summed over the data-parallel group
         first. The same coefficient as clip_grad_norm_ on the plain model."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        split = [local_tensor(p.grad) for p in params if self.names[p] in self.splits]
-        replicated = [local_tensor(p.grad) for p in params if self.names[p] not in self.splits]
-        zero = torch.zeros((), device=self.device)
-        squares = torch.stack([torch.nn.utils.get_total_norm(g) ** 2 if g else zero for g in (split, replicated)])
+        squares = self.grad_squares()
         if self.fsdp:
             dist.all_reduce(squares, group=self.dp_group)
         total = (self.tp.all_reduce(squares[:1]) + squares[1:]).sqrt().reshape(())
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(split + replicated, coefficient)
+        torch._foreach_mul_([local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None], coefficient)
         return total
+
+    def grad_squares(self) -> torch.Tensor:
+        """[squared norm of the split parameters' gradients, of the replicated ones'] as this rank holds
+        them (under fsdp its slices)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        split = [local_tensor(p.grad) for p in params if self.names[p] in self.splits]
+        replicated = [local_tensor(p.grad) for p in params if self.names[p] not in self.splits]
+        zero = torch.zeros((), device=self.device)
+        return torch.stack([torch.nn.utils.get_total_norm(g) ** 2 if g else zero for g in (split, replicated)])
 
     @torch.no_grad()
     def evaluate(self, batches):

@@ -316,6 +316,19 @@ class ZeroEngine(Engine):
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(train, total_steps)),
             dist_init_required=False)
         self.compute_dtype = DTYPES[train.precision]
+        if self.measures_noise_scale(options, train, self.layout):
+            # Stages 2 and 3 reduce each parameter's gradient in a hook as soon as the backward pass
+            # has computed it, micro-batch by micro-batch: a worker's gradient is whole only there.
+            # Tensor hooks see it first (before accumulation and DeepSpeed's hooks); the small batch
+            # is one micro-batch of one worker, at every stage alike.
+            self._start_noise()
+            self.watch_local_gradients(self.model.parameters())
+
+    @classmethod
+    def measures_noise_scale(cls, options, train, layout):
+        """Each micro-batch's gradient on each worker against the reduced one: 2 or more workers or
+        gradient accumulation, and no loss scaling (fp16)."""
+        return (layout.data > 1 or train.gradient_accumulation_steps > 1) and train.precision != "fp16"
 
     def autocast(self):
         return contextlib.nullcontext()  # parameters are already 16-bit (DeepSpeed casts the model)
@@ -341,6 +354,10 @@ class ZeroEngine(Engine):
                 self.note_memory()
             self.module.step()  # the optimizer steps at the accumulation boundary only
             total += loss.detach() / len(micro)
+        if self.measures_noise:
+            # The reduced gradient's norm is DeepSpeed's, taken at the step before clipping (unscaled).
+            reduced = torch.as_tensor(self.module.get_global_grad_norm(), device=self.device)
+            self.note_noise(self.task.samples_of(batch), reduced ** 2, small_batches=len(micro))
         self.note_memory()
         return total
 
