@@ -31,17 +31,16 @@ from raytrain_par.config import load_experiment
 from raytrain_par.driver import ray_cluster
 from raytrain_par.metrics.records import read_records
 from raytrain_par.report import _predicted_vs_measured
-from raytrain_par.sweep import plan
+from raytrain_par.sweep import describe, plan
 from raytrain_par.tuning import run_sweep
 
 HERE = Path(__file__).resolve().parent
 PICK_WITHIN, TIME_SHARE = 0.10, 1 / 3
 
 
-def _point(trial: str) -> str:
-    """A trial's point without Tune's counter ('00003-w2-b64' -> 'w2-b64')."""
-    head, _, rest = trial.partition("-")
-    return rest if head.isdigit() and rest else trial
+def _point(row: dict) -> str:
+    """A trial's point, without Tune's trial id ('w2-b64')."""
+    return describe(json.loads(row["overrides"]))
 
 
 def sweep(spec, search: str, work: Path, overrides: list[str], experiment: str) -> tuple[float, list[dict]]:
@@ -67,21 +66,21 @@ def main() -> None:
         grid_s, grid = sweep(spec, "grid", work, a.set, a.experiment)
         search_s, searched = sweep(spec, "goodput", work, a.set, a.experiment)
 
-    measured = {_point(r["trial"]): r.get("time_to_target_s") for r in grid}
+    measured = {_point(r): r.get("time_to_target_s") for r in grid}
     reached = {k: v for k, v in measured.items() if v is not None}
     if not reached:
         raise SystemExit(f"no grid point reached the target: raise train.max_steps or ease the target ({a.experiment})")
     best_point = min(reached, key=reached.get)
     trained = [r for r in searched if r.get("time_to_target_s") is not None]
     pick = min(trained, key=lambda r: r["time_to_target_s"]) if trained else None
-    pick_point = _point(pick["trial"]) if pick else None
+    pick_point = _point(pick) if pick else None
     pick_grid_s = measured.get(pick_point) if pick else None
     pick_ok = pick_grid_s is not None and pick_grid_s <= (1 + PICK_WITHIN) * reached[best_point]
     share = search_s / grid_s
     time_ok = share <= TIME_SHARE
     n_trained = sum(1 for r in searched if not str(r.get("status", "")).startswith("not trained"))
 
-    predicted = {_point(r["trial"]): r for r in searched}
+    predicted = {_point(r): r for r in searched}
     head = ["point", "predicted rank", "predicted s", "grid measured s", "grid rank", "search"]
     grid_rank = {k: i + 1 for i, k in enumerate(sorted(reached, key=reached.get))}
     rows = []
