@@ -7,13 +7,16 @@ measured apart:
 - statistical efficiency: one reference run trains the experiment's own configuration (global
   batch M0) to the target, measuring the gradient noise scale as it goes (metrics/goodput.py). From
   it the steps to the target at any global batch M follow, S = S_min (1 + B_noise / M), and the
-  efficiency against M0, (B_noise + M0) / (B_noise + M). Only a data-parallel engine with two or
-  more workers measures the noise scale; an experiment whose own strategy or worker count does not
-  is measured with ddp on two workers instead (same model, data, batch and learning rate).
+  efficiency against M0, (B_noise + M0) / (B_noise + M). Data-parallel engines with two replicas or
+  more measure the noise scale (see Engine.measures_noise_scale); an experiment whose own strategy or
+  worker count does not is measured with ddp on two workers instead (same model, data, batch and
+  learning rate).
 - throughput: for each strategy and worker count of the sweep, one short Ray Train run times a few
-  optimizer steps (after warm-up; start-up excluded) at the smallest and largest per-worker batch
-  of the sweep, and Pollux's step-time model, fitted to them (metrics/throughput.py), gives the step
-  time of every point.
+  optimizer steps (after warm-up; start-up excluded) at each per-worker batch of the sweep (at most
+  PROBE_BATCHES of them, the smallest and largest among them). A probed point takes its measured step
+  time; Pollux's step-time model, fitted to the probes (metrics/throughput.py), gives the others'.
+  (On CPUs the time per row changes with the batch and with the workers sharing a socket, which a
+  model linear in the batch misses: measured where it can be, modelled where it must.)
 
 Predicted time to target = S(M) x step time. Memory per worker comes from `raytrain-par estimate`.
 Writes <output_dir>/<name>/plan.parquet (one row per point, ranked) and the reference's records and
@@ -51,6 +54,7 @@ from .sweep import Plan, check_goodput, describe, plan as sweep_plan
 from .worker import probe_loop_per_worker
 
 PROBE_WARMUP, PROBE_STEPS = 2, 4
+PROBE_BATCHES = 4  # per-worker batches probed per strategy and worker count, at most
 
 
 @dataclass
@@ -109,16 +113,21 @@ class _StepTimes(ray.train.UserCallback):
 
 
 def probe_points(p: Plan, specs: list[ExperimentSpec]) -> dict[tuple, dict[str, ExperimentSpec]]:
-    """The probes to run, by (workers, data): for each strategy and worker count, the smallest and largest
-    per-worker batch of the sweep. (The reference's own step times are not reused: its intervals hold the
-    steps that measure memory and the profiled ones, which the probes' steps do not.)"""
+    """The probes to run, by (workers, data): for each strategy and worker count, each per-worker batch
+    of the sweep, or PROBE_BATCHES of them spread from the smallest to the largest. (The reference's own
+    step times are not reused: its intervals hold the steps that measure memory and the profiled ones,
+    which the probes' steps do not.)"""
     groups: dict[tuple, list[ExperimentSpec]] = {}
     for s in specs:
         groups.setdefault((strategy_key(s), s.scaling.num_workers), []).append(s)
     runs: dict[tuple, dict[str, ExperimentSpec]] = {}
     for (key, workers), members in groups.items():
         by_batch = {s.per_worker_batch: s for s in members}
-        for b in sorted({min(by_batch), max(by_batch)}):
+        batches = sorted(by_batch)
+        if len(batches) > PROBE_BATCHES:
+            last = len(batches) - 1
+            batches = sorted({batches[round(i * last / (PROBE_BATCHES - 1))] for i in range(PROBE_BATCHES)})
+        for b in batches:
             s = by_batch[b]
             run = runs.setdefault((workers, json.dumps(s.to_dict()["data"], sort_keys=True)), {})
             name = f"{s.strategy.name}-w{workers}-local{b}"
@@ -151,16 +160,18 @@ def _probe(specs: dict[str, ExperimentSpec], storage: Path, log) -> dict[str, fl
 
 
 def predict(p: Plan, reference: Reference, model: ThroughputModel, device_memory: int | None = None,
-            probed: set[tuple] = frozenset()) -> list[dict]:
+            probed: dict[tuple, float] | None = None) -> list[dict]:
     """One row per point: steps, step time and time to the target, efficiency, memory; fastest first
-    (points that do not fit in `device_memory` last)."""
+    (points that do not fit in `device_memory` last). `probed`: measured seconds per step by
+    (strategy key, workers, per-worker batch, accumulation), taken over the model's where given."""
+    probed = probed or {}
     rows = []
     for point in p.points:
         s = p.trial_spec(point)  # with the sweep's lr_scaling, as the trial will run
         m = s.train.global_batch_size
         steps = reference.steps_to_target(m)
-        step_time = model.step_time(strategy_key(s), s.scaling.num_workers, s.per_worker_batch,
-                                    s.train.gradient_accumulation_steps)
+        at = (strategy_key(s), s.scaling.num_workers, s.per_worker_batch, s.train.gradient_accumulation_steps)
+        step_time = probed[at] if at in probed else model.step_time(*at)
         memory = _memory_bytes(s)
         rows.append({
             "trial": describe(point), "overrides": json.dumps(point), "strategy": s.strategy.name,
@@ -168,7 +179,7 @@ def predict(p: Plan, reference: Reference, model: ThroughputModel, device_memory
             "lr": s.train.lr, "statistical_efficiency": reference.efficiency(m),
             "predicted_steps_to_target": steps, "predicted_step_time_s": step_time,
             "predicted_time_to_target_s": steps * step_time,
-            "step_time_probed": (strategy_key(s), s.scaling.num_workers, s.per_worker_batch) in probed,
+            "step_time_probed": at in probed,
             "memory_per_worker_bytes": memory,
             "fits": None if device_memory is None or memory is None else memory <= device_memory,
             "grad_noise_scale": reference.noise_scale, "reference_batch": reference.batch,
@@ -227,7 +238,7 @@ def make_plan(spec: ExperimentSpec, address: str | None = None, device_memory: i
             probes += [Probe(strategy_key(s), workers, s.per_worker_batch, times[name],
                              s.train.gradient_accumulation_steps) for name, s in run.items()]
     model = ThroughputModel.fit(probes)
-    rows = predict(p, reference, model, device_memory, {(q.strategy, q.workers, q.local_batch) for q in probes})
+    rows = predict(p, reference, model, device_memory, {(q.strategy, q.workers, q.local_batch, q.accumulation): q.step_time_s for q in probes})
     path = write_table(spec.results_dir / "plan.parquet", rows)
     return GoodputPlan(rows, reference, model, notes, path, time.perf_counter() - t0)
 

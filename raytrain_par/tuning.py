@@ -144,7 +144,7 @@ def run_sweep(spec: ExperimentSpec, address: str | None = None, resume: bool = F
 
             search_alg = OptunaSearch()
         elif p.sweep.search == "goodput":
-            goodput = _goodput_search(spec, p, address, log)
+            goodput = _goodput_search(spec, p, address, resume, log)
             search_alg, stopper = goodput.searcher, GoodputStopper(goodput.searcher)
             param_space, num_samples = {}, len(p.points)
         if p.sweep.random:
@@ -187,19 +187,18 @@ class _Goodput:
 
     def rows(self, trained: list[dict], trials: dict[str, dict]) -> list[dict]:
         """trials.parquet's rows with the prediction beside what was measured, and one row per point
-        the search did not train (and why)."""
-        names = {tid: t["name"] for tid, t in trials.items()}
-        predicted = {names[tid]: r for tid, r in self.searcher.rows.items() if tid in names}
-        stopped = {names[tid] for tid in self.searcher.stopped if tid in names}
-        out = []
+        the search did not train (and why). Points are matched by their overrides, so that a resumed
+        search (whose searcher Tune restores on its own) is matched as well."""
+        plan = {_key(r["overrides"]): r for r in self.plan_rows}
+        stopped = {trials[tid]["name"] for tid in self.searcher.stopped if tid in trials}
+        out, tried = [], set()
         for row in trained:
-            r = predicted.get(row["trial"])
+            tried.add(_key(row["overrides"]))
             if row["trial"] in stopped:
                 row["status"] = "stopped: slower than the best"
-            out.append({**row, **_prediction(r)})
-        tried = {r["trial"] for r in self.searcher.rows.values()}
-        for r in self.plan_rows:
-            if r["trial"] in tried:
+            out.append({**row, **_prediction(plan.get(_key(row["overrides"])))})
+        for k, r in plan.items():
+            if k in tried:
                 continue
             why = ("not trained: does not fit in device memory" if r["fits"] is False else
                    "not trained: predicted slower than the best")
@@ -210,19 +209,30 @@ class _Goodput:
         return out
 
 
+def _key(overrides: str) -> str:
+    return json.dumps(json.loads(overrides), sort_keys=True)
+
+
 def _prediction(r: dict | None) -> dict:
     keys = ("predicted_time_to_target_s", "predicted_steps_to_target", "predicted_step_time_s",
             "statistical_efficiency")
     return {"predicted_rank": r and r["rank"], **{k: r and r[k] for k in keys}}
 
 
-def _goodput_search(spec: ExperimentSpec, p: Plan, address: str | None, log) -> _Goodput:
-    """The plan (reference run and probes, on the cluster already started) and its searcher."""
-    gp = make_plan(spec, address, log=log)
-    log(f"goodput plan ({gp.seconds:.0f} s, in {gp.path}):")
-    log(plan_table(gp.rows))
+def _goodput_search(spec: ExperimentSpec, p: Plan, address: str | None, resume: bool, log) -> _Goodput:
+    """The plan (reference run and probes, on the cluster already started; on --resume the one the
+    interrupted search made) and its searcher."""
+    path = spec.results_dir / "plan.parquet"
+    if resume and path.exists():
+        rows = read_records(path)
+        log(f"goodput plan of the interrupted search, from {path}:")
+    else:
+        gp = make_plan(spec, address, log=log)
+        rows = gp.rows
+        log(f"goodput plan ({gp.seconds:.0f} s, in {gp.path}):")
+    log(plan_table(rows))
     g = p.sweep.goodput
-    return _Goodput(gp.rows, GoodputSearcher(gp.rows, p.metric, p.mode, p.target, g.min_trials, g.margin, log=log))
+    return _Goodput(rows, GoodputSearcher(rows, p.metric, p.mode, p.target, g.min_trials, g.margin, log=log))
 
 
 def _trial_row(p: Plan, trial: dict, records: list[dict]) -> dict:

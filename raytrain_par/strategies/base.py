@@ -227,13 +227,35 @@ class Engine(ABC):
         """Validation metrics over the whole split: each rank evaluates its rows, sums are reduced."""
         module = self.eval_module()
         module.eval()
+        batches = list(batches)
         sums = torch.zeros(3, device=self.device, dtype=torch.float64)
-        for batch in batches:
+        for i in range(self._eval_passes(len(batches))):
             with self.autocast():
-                sums += self.task.eval_sums(module, self.prepare(batch)).double()
+                # Passes beyond this rank's own batches repeat its first one and are not counted.
+                part = self.eval_sums(module, batches[min(i, len(batches) - 1)]).double()
+            if i < len(batches):
+                sums += part
         module.train()
         sums = self.dp_sum(sums)
         return self.task.summarize(*[float(x) for x in sums])
+
+    def eval_sums(self, module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[summed loss, predictions, correct predictions] of one batch of stored rows."""
+        return self.task.eval_sums(module, self.prepare(batch))
+
+    def _eval_passes(self, own: int) -> int:
+        """Forward passes this rank makes in an evaluation: as many as the data-parallel rank with the
+        most validation batches, since a sharded engine's forward pass (FSDP, ZeRO-3) gathers
+        parameters from every rank, and one rank with a batch fewer (the split's rows do not divide by
+        the data-parallel size) would leave the others waiting for it."""
+        if self.dp_size == 1:
+            return own
+        most = torch.tensor([own], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
+        if own == 0 and int(most) > 0:
+            raise ValueError(f"data-parallel rank {self.dp_rank} has no validation rows: the split has fewer rows "
+                             f"than the {self.dp_size} data-parallel ranks (raise data.max_val_samples)")
+        return int(most)
 
     def autocast(self):
         """Mixed precision by autocast (`train.precision` bf16 / fp16), for engines that compute in

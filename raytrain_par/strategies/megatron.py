@@ -491,16 +491,12 @@ class MegatronEngine(Engine):
         return torch.stack([torch.nn.utils.get_total_norm(g) ** 2 if g else zero for g in (split, replicated)])
 
     @torch.no_grad()
-    def evaluate(self, batches):
-        self.model.eval()
-        sums = torch.zeros(3, device=self.device, dtype=torch.float64)
-        for batch in batches:
-            prepared = self.task.prepare(batch, self.device)
-            with self.autocast():
-                sums += self.model(prepared["input_ids"], prepared["labels"], sums=True).double()
-        self.model.train()
-        sums = self.dp_sum(sums)
-        return self.task.summarize(*[float(x) for x in sums])
+    def eval_module(self):
+        return self.model
+
+    def eval_sums(self, module, batch):
+        prepared = self.task.prepare(batch, self.device)
+        return module(prepared["input_ids"], prepared["labels"], sums=True)
 
     def memory(self) -> dict[str, int | None]:
         # Every key from the first record on (None until measured): records.parquet takes its columns
