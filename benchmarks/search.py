@@ -7,7 +7,7 @@ Runs the experiment's sweep twice on one embedded Ray cluster, one trial at a ti
 whole grid (search: grid, every point trained until its target), then with search: goodput (the plan's
 reference run and probes, then the points it predicts may win). Each total is the wall time of the
 sweep, trial start-ups and the plan included. Prints, and writes to benchmarks/results/search.json and
-docs/goodput-search.md (with docs/results/search/predicted_vs_measured.png):
+docs/goodput-search.md (with results/search/predicted_vs_measured.png beside it):
 
 - the grid's best time to target and the search's pick, with the pick's time in the grid's run (same
   conditions as the best) and in the search's own run;
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import DOCS, markdown_table, print_table, write_json, write_page
+from common import markdown_table, print_table, write_json, write_page
 
 from raytrain_par.config import load_experiment
 from raytrain_par.driver import ray_cluster
@@ -102,12 +102,6 @@ def main() -> None:
     for v in verdicts:
         print(v)
 
-    figure = DOCS / "results" / "search" / "predicted_vs_measured.png"
-    figure.parent.mkdir(parents=True, exist_ok=True)
-    points = [{"trial": k, "predicted_time_to_target_s": r.get("predicted_time_to_target_s"),
-               "time_to_target_s": measured.get(k)} for k, r in predicted.items()
-              if r.get("predicted_time_to_target_s") is not None]
-    _predicted_vs_measured(points, f"{spec.name}: predicted (goodput plan) against the grid's measured", figure)
     payload = {"experiment": spec.name, "grid_total_s": grid_s, "search_total_s": search_s, "share": share,
                "grid_best": {"point": best_point, "time_to_target_s": reached[best_point]},
                "pick": {"point": pick_point, "grid_time_to_target_s": pick_grid_s,
@@ -133,6 +127,14 @@ Every point, in the order the plan predicted (predicted and measured are trainin
 ![predicted against measured](results/search/predicted_vs_measured.png)
 """, a.page)
     print(f"written {page}")
+    # after the page and the JSON: their commit is read before this run changes a tracked file
+    figure = Path(page).parent / "results" / "search" / "predicted_vs_measured.png"  # beside the page
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    points = [{"trial": k, "predicted_time_to_target_s": r.get("predicted_time_to_target_s"),
+               "time_to_target_s": measured.get(k)} for k, r in predicted.items()
+              if r.get("predicted_time_to_target_s") is not None]
+    _predicted_vs_measured(points, f"{spec.name}: predicted (goodput plan) against the grid's measured", figure)
+    print(f"written {figure}")
 
 
 def _f(v):

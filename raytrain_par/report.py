@@ -74,7 +74,8 @@ def _convergence(groups, metric, target, x, xlabel, title, path):
 def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: Path) -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    # titles name the experiment: a long one would be cut at the figure's edge
+    ax.set_title(title, **({"fontsize": 10} if len(title) > 50 else {}))
     ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
