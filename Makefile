@@ -30,12 +30,8 @@ data-packages:
 quickstart: setup
 	$(BIN)/raytrain-par run experiments/quickstart.yaml
 
-# Two pytest processes, each with its own Ray cluster and whole test files: the end-to-end tests
-# spend much of their time waiting on Ray (worker start-up, health checks), which the other fills.
-TEST_JOBS ?= 2
-
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py

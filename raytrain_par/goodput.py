@@ -333,10 +333,19 @@ class GoodputSearcher(Searcher):
         if trial_id in self.records and result.get("wall_time_s") is not None:
             self.records[trial_id].append({k: result.get(k) for k in ("step", "wall_time_s", self.metric)})
 
+    def __getstate__(self):
+        # Tune pickles the searcher with its experiment; the log function stays behind (a test's
+        # captured print, a closure) and a restored searcher prints
+        return {k: v for k, v in self.__dict__.items() if k != "log"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.log = print
+
     def save(self, checkpoint_path: str) -> None:
         """What has been trained and measured, for `sweep --resume`."""
         with open(checkpoint_path, "wb") as f:
-            pickle.dump({k: v for k, v in self.__dict__.items() if k != "log"}, f)
+            pickle.dump(self.__getstate__(), f)
 
     def restore(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "rb") as f:

@@ -5,7 +5,6 @@ import pytest
 
 from raytrain_par import cli, reproduce
 from raytrain_par.errors import UserError
-from raytrain_par.provenance import GENERATED_MARK
 
 
 def test_list_names_every_finding_with_what_it_runs(capsys):
@@ -111,23 +110,6 @@ def test_judges_read_records():
     same[-1]["val_loss"] = 7.01
     v = reproduce.judge_identical(same, trials)
     assert v.outcome == "not held" and "1.4e-03" in v.summary
-
-
-@pytest.mark.ray
-def test_identical_curves_end_to_end_writes_its_page(ray_cluster, tmp_path):
-    out = tmp_path / "docs"
-    overrides = ["train.max_steps=2", "train.eval_every_steps=1", "data.max_val_samples=16",
-                 "sweep.grid.strategy=[{name: ddp}, {name: zero-2}]", f"output_dir={tmp_path / 'results'}"]
-    # through the CLI, with its default log (Tune pickles it with the sweep's state)
-    assert cli.main(["reproduce", "identical-curves", "--out", str(out), *(f"--set={o}" for o in overrides)]) == 0
-    page = (out / "identical-curves" / "index.md").read_text()
-    assert page.startswith("# Reproduced: data parallel and ZeRO train identical curves\n\nWritten by "
-                           "`raytrain-par reproduce identical-curves --set train.max_steps=2")
-    assert GENERATED_MARK in page and "commit `" in page and "CPU cores" in page
-    assert "**Held.** The validation losses of the 1 other strategies are bit-identical to ddp" in page
-    assert "| zero-2 | 2 | 3 |" in page and "![convergence_epochs](convergence_epochs.png)" in page
-    assert (out / "identical-curves" / "convergence_epochs.png").stat().st_size > 1000
-    assert (tmp_path / "results" / "identical-curves" / "trials.parquet").exists()
 
 
 def test_memory_judges_compare_with_data_parallel():
