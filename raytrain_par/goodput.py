@@ -33,6 +33,7 @@ import functools
 import json
 import math
 import pickle
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,12 +299,9 @@ class GoodputSearcher(Searcher):
         return min(self.times().values(), default=None)
 
     def calibration(self) -> float:
-        ratios = sorted(t / self.rows[i]["predicted_time_to_target_s"] for i, t in self.times().items()
-                        if self.rows[i]["predicted_time_to_target_s"] > 0)
-        if not ratios:
-            return 1.0
-        mid = len(ratios) // 2
-        return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        ratios = [t / self.rows[i]["predicted_time_to_target_s"] for i, t in self.times().items()
+                  if self.rows[i]["predicted_time_to_target_s"] > 0]
+        return statistics.median(ratios) if ratios else 1.0
 
     def could_win(self, row: dict) -> bool:
         best = self.best()
