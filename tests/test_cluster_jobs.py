@@ -267,4 +267,7 @@ def test_elastic_job_keeps_training_when_a_node_goes(head, tmp_path, info):
     data = info("kjv", seq_len=spec.data.seq_len, vocab_size=spec.data.vocab_size)
     losses = run_ranks(1, train_steps, spec.to_dict(), data, steps)[0]["losses"]
     per_interval = [sum(losses[i:i + every]) / every for i in range(0, steps, every)]
-    assert [r["train_loss"] for r in final[1:]] == pytest.approx(per_interval, rel=1e-5)
+    # Two workers sum their halves of a batch in another order than one process does: float rounding
+    # (1e-7) that Adam carries on, about 3e-5 relative ten steps after an interval on two workers. A lost
+    # or repeated batch changes a loss by 1e-2 or more.
+    assert [r["train_loss"] for r in final[1:]] == pytest.approx(per_interval, rel=2e-4)

@@ -105,5 +105,5 @@ def _heap_kept_by_a_profiled_step(rank, world, warm):
 def test_the_profiler_keeps_nothing_mid_training_once_warmed_up():
     # A fresh process each: the profiler's first use keeps memory for good, which the training loop
     # takes at start-up (before the engine's memory baseline) so that it never counts as model state.
-    cold, warm = (run_ranks(1, _heap_kept_by_a_profiled_step, w)[0] for w in (False, True))
+    cold, warm = (run_ranks(1, _heap_kept_by_a_profiled_step, w, fresh=True)[0] for w in (False, True))
     assert cold > 4 * 2**20 and warm < 2**20
