@@ -1,0 +1,37 @@
+"""experiments/strategies.yaml's sweep through Ray Tune, over the engines and schedules no other test
+trains through Ray: zero-1, fsdp, megatron with tensor_parallel 2 alone, and the gpipe,
+interleaved-1f1b, zero-bubble and zbv pipeline schedules (each is compared with one process in plain
+process groups by tests/test_zero.py, tests/test_megatron.py and tests/test_pipeline.py)."""
+
+import pytest
+
+from conftest import experiment_file
+from raytrain_par.config import load_experiment
+from raytrain_par.tuning import run_sweep
+
+pytestmark = pytest.mark.ray
+
+STRATEGIES = ["{name: zero-1}", "{name: fsdp}", "{name: megatron, tensor_parallel: 2}",
+              *(f"{{name: pipeline, stages: 2, schedule: {s}}}" for s in ("gpipe", "interleaved-1f1b", "zero-bubble",
+                                                                           "zbv"))]
+
+
+def test_strategies_sweep_trains_every_engine_as_one_ddp_process_does(ray_cluster, tmp_path, info):
+    """Every trial completes, two steps each, with the losses of one ddp process on the same global
+    batches."""
+    from engines import train_steps
+    from raytrain_par.local_group import run_ranks
+
+    common = ["train.max_steps=2", "train.eval_every_steps=1", "train.warmup_steps=0", "train.checkpoint_every_evals=0",
+              "data.max_val_samples=16"]
+    spec = load_experiment(experiment_file("strategies.yaml"), [
+        *common, f"output_dir={tmp_path}", f"sweep.grid.strategy=[{', '.join(STRATEGIES)}]"])
+    result = run_sweep(spec, log=lambda *_: None)
+    assert len(result.trials) == len(STRATEGIES) and all(t["status"] == "completed" for t in result.trials)
+
+    one = load_experiment(experiment_file("strategies.yaml"), [*common, "scaling.num_workers=1", "sweep=null"])
+    data = info("kjv", seq_len=one.data.seq_len, vocab_size=one.data.vocab_size)
+    reference = run_ranks(1, train_steps, one.to_dict(), data, 2)[0]["losses"]
+    for t in result.trials:
+        losses = [r["train_loss"] for r in result.records if r["trial"] == t["trial"] and r["step"] > 0]
+        assert losses == pytest.approx(reference, rel=1e-5), t["trial"]
