@@ -271,7 +271,7 @@ def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdi
         if not (results / run_subdir).exists():
             raise UserError(f"--resume: {results} holds no earlier run of {spec.name!r} to continue.\n"
                             "  fix: run without --resume to start it, or point output_dir at the earlier results")
-        check_resumable(spec, results / run_subdir)
+        check_resumable(spec, results / run_subdir, log)
         return results
     if results.exists() and any(results.iterdir()):
         stamp = datetime.fromtimestamp(results.stat().st_mtime).strftime("%Y%m%d-%H%M%S")
@@ -290,13 +290,20 @@ def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdi
 # scaling.num_workers may change, within what its options allow), `checkpoints_reshard` (its engine
 # also re-cuts for other strategy options, e.g. megatron's tensor_parallel: the strategy's options may
 # change too).
+# The optimizer's settings: a checkpoint's optimizer and schedule states hold the values they were
+# written with (torch restores them with the state), so a changed value would silently not apply.
+OPTIMIZER_KEYS = ("train.lr", "train.weight_decay", "train.momentum", "train.betas", "train.eps")
+# The schedule's shape: the resumed run's schedule is the experiment's own, continued from the
+# checkpoint's step (a longer run stretches a decaying schedule from there): said, not refused.
+SCHEDULE_KEYS = ("train.max_steps", "train.epochs", "train.lr_schedule", "train.warmup_steps", "train.min_lr_ratio")
 RESUME_KEYS = ("model", "data.name", "data.path", "data.format", "data.field", "data.tokenizer", "data.seq_len",
                "data.vocab_size", "data.seed", "data.val_fraction", "strategy",
-               "scaling.num_workers", "train.optimizer", "train.global_batch_size", "train.seed")
+               "scaling.num_workers", "train.optimizer", "train.global_batch_size", "train.seed", *OPTIMIZER_KEYS)
 
 
-def check_resumable(spec: ExperimentSpec, run_dir: Path) -> None:
-    """Refuse, before any worker starts, to resume from checkpoints of another model or layout."""
+def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
+    """Refuse, before any worker starts, to resume from checkpoints of another model, layout or
+    optimizer settings; say (through `log`) where the learning-rate schedule changes."""
     import json
 
     found = sorted(run_dir.glob("checkpoint_*/loop.json"))
@@ -329,6 +336,9 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path) -> None:
             diffs.append(f"{key}: checkpoint {was!r}, experiment {is_!r}")
         if key == "scaling.num_workers":
             notes.append(f"{name} checkpoints resume only on the number of workers that wrote them")
+        if key in OPTIMIZER_KEYS and not any("optimizer state" in n for n in notes):
+            notes.append("the checkpoints' optimizer state holds the learning rate and optimizer settings it was "
+                         "written with: a new value would not take effect")
     workers = get(written, "scaling.num_workers")
     if any_workers and workers != spec.scaling.num_workers and spec.data.effective_loader == "stream":
         diffs.append(f"scaling.num_workers: checkpoint {workers!r}, experiment {spec.scaling.num_workers!r}: the "
@@ -337,6 +347,11 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path) -> None:
         notes.append("data.loader: memory draws the same global batches for any number of workers")
     elif any_workers and not recut and any(d.startswith("strategy.") for d in diffs):
         notes.append(f"{name} checkpoints resume on another scaling.num_workers with the same strategy options")
+    changed = [f"{key} {get(written, key)!r} -> {get(now, key)!r}" for key in SCHEDULE_KEYS
+               if get(written, key) != get(now, key)]
+    if changed and not diffs and log is not None:
+        log(f"--resume: {', '.join(changed)}: the learning-rate schedule is the experiment's new one, "
+            "continued from the checkpoint's step")
     if diffs:
         raise UserError(f"--resume: the checkpoints in {run_dir} were written by another setup:\n    "
                         + "\n    ".join(diffs) + "".join(f"\n  note: {n}" for n in notes)

@@ -132,3 +132,22 @@ def test_resume_from_another_model_is_refused_before_start(tmp_path):
     assert "model: checkpoint" in str(err.value) and "gpt2-mini" in str(err.value) and "fix:" in str(err.value)
     # the worker count may change (ddp's state is replicated): it is not among the differences
     assert "num_workers" not in str(err.value)
+
+
+def test_resume_with_other_optimizer_settings_is_refused_and_a_new_schedule_is_said(tmp_path):
+    """The optimizer state restores the learning rate and settings it was written with: a changed one
+    would not take effect, and is refused; a longer run continues on the experiment's new schedule."""
+    written = _spec(tmp_path, "train.max_steps=10", "train.lr_schedule=cosine")
+    ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
+    ckpt.mkdir(parents=True)
+    (ckpt / "loop.json").write_text(json.dumps({"experiment": written.to_dict()}))
+    for override, shown in [("train.lr=0.01", "train.lr: checkpoint 0.002, experiment 0.01"),
+                            ("train.weight_decay=0.1", "train.weight_decay: checkpoint 0.01, experiment 0.1")]:
+        with pytest.raises(UserError) as err:
+            check_resumable(_spec(tmp_path, "train.max_steps=10", "train.lr_schedule=cosine", override),
+                            tmp_path / "train")
+        assert shown in str(err.value) and "would not take effect" in str(err.value) and "fix:" in str(err.value)
+    said = []
+    check_resumable(_spec(tmp_path, "train.max_steps=20", "train.lr_schedule=cosine"), tmp_path / "train", said.append)
+    assert said == ["--resume: train.max_steps 10 -> 20: the learning-rate schedule is the experiment's new one, "
+                    "continued from the checkpoint's step"]
