@@ -71,7 +71,7 @@ def _measure_rank(rank: int, world: int, spec_dict: dict, info_dict: dict, steps
 
 def measure(spec_dict: dict, info: dict, world: int, steps: int) -> list[dict]:
     """Train `steps` steps on `world` fresh processes; returns each rank's report."""
-    return run_ranks(world, _measure_rank, spec_dict, info, steps, group_of_one=True)
+    return run_ranks(world, _measure_rank, spec_dict, info, steps, group_of_one=True, fresh=True)
 
 
 def main(argv=None) -> int:

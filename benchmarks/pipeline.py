@@ -77,7 +77,8 @@ def _worker(rank: int, world: int, args, spec_dict: dict) -> dict:
 def run(args, stages: int, schedule: str) -> dict:
     spec_dict = config.parse(_spec(args, stages, schedule)).to_dict()  # invalid options fail here, not in a worker
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
-    results = dict(enumerate(run_ranks(stages, _worker, args, spec_dict, backend=backend, threads=args.threads)))
+    results = dict(enumerate(run_ranks(stages, _worker, args, spec_dict, backend=backend, threads=args.threads,
+                                        fresh=True)))
     first = results[0]
     m = spec_dict["strategy"]["microbatches"]
     mem = first["memory"]

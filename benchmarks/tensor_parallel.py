@@ -107,7 +107,8 @@ def formula(spec, info: DatasetInfo, tp_size: int, dp_size: int, params_local: i
 # -- a process group per layout ----------------------------------------------------------------------
 
 def run_group(world: int, backend: str, fn, *args) -> list:
-    return run_ranks(world, fn, *args, backend=backend, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return run_ranks(world, fn, *args, backend=backend, threads=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                     fresh=True)
 
 
 def main(argv=None) -> int:

@@ -285,17 +285,17 @@ def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdi
     return results
 
 
-# What a checkpoint must agree on with the experiment that resumes it. A strategy's Options may lift
-# some: `checkpoints_any_workers` (its engine re-shards a checkpoint to another data-parallel size:
-# scaling.num_workers may change, within what its options allow), `checkpoints_reshard` (its engine
-# also re-cuts for other strategy options, e.g. megatron's tensor_parallel: the strategy's options may
-# change too).
 # The optimizer's settings: a checkpoint's optimizer and schedule states hold the values they were
 # written with (torch restores them with the state), so a changed value would silently not apply.
 OPTIMIZER_KEYS = ("train.lr", "train.weight_decay", "train.momentum", "train.betas", "train.eps")
 # The schedule's shape: the resumed run's schedule is the experiment's own, continued from the
 # checkpoint's step (a longer run stretches a decaying schedule from there): said, not refused.
 SCHEDULE_KEYS = ("train.max_steps", "train.epochs", "train.lr_schedule", "train.warmup_steps", "train.min_lr_ratio")
+# What a checkpoint must agree on with the experiment that resumes it. A strategy's Options may lift
+# some: `checkpoints_any_workers` (its engine re-shards a checkpoint to another data-parallel size:
+# scaling.num_workers may change, within what its options allow), `checkpoints_reshard` (its engine
+# also re-cuts for other strategy options, e.g. megatron's tensor_parallel: the strategy's options may
+# change too).
 RESUME_KEYS = ("model", "data.name", "data.path", "data.format", "data.field", "data.tokenizer", "data.seq_len",
                "data.vocab_size", "data.seed", "data.val_fraction", "strategy",
                "scaling.num_workers", "train.optimizer", "train.global_batch_size", "train.seed", *OPTIMIZER_KEYS)
@@ -336,9 +336,9 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
             diffs.append(f"{key}: checkpoint {was!r}, experiment {is_!r}")
         if key == "scaling.num_workers":
             notes.append(f"{name} checkpoints resume only on the number of workers that wrote them")
-        if key in OPTIMIZER_KEYS and not any("optimizer state" in n for n in notes):
-            notes.append("the checkpoints' optimizer state holds the learning rate and optimizer settings it was "
-                         "written with: a new value would not take effect")
+    if any(get(written, key) != get(now, key) for key in OPTIMIZER_KEYS):
+        notes.append("the checkpoints' optimizer state holds the learning rate and optimizer settings it was "
+                     "written with: a new value would not take effect")
     workers = get(written, "scaling.num_workers")
     if any_workers and workers != spec.scaling.num_workers and spec.data.effective_loader == "stream":
         diffs.append(f"scaling.num_workers: checkpoint {workers!r}, experiment {spec.scaling.num_workers!r}: the "

@@ -76,8 +76,8 @@ def run_ranks(world: int, fn, *args, backend: str = "gloo", threads: int = 1, gr
     """fn(rank, world, *args) on `world` new processes (`fn` must be importable, i.e. defined at
     module level); returns the results ordered by rank, or raises with every failing rank's
     traceback. A group is initialised when world > 1, or always with `group_of_one`. `fresh`: new
-    interpreters that import everything themselves (not from the fork server), for measuring what a
-    process's first use of something costs."""
+    interpreters that import everything themselves (not from the fork server), for measuring a
+    process as a real worker starts it: its peak memory, or what its first use of something costs."""
     if backend == "gloo":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the fork server imports DeepSpeed
     ctx = _context(backend, fresh)
