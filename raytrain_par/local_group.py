@@ -17,7 +17,9 @@ from __future__ import annotations
 import io
 import os
 import socket
+import time
 import traceback
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -72,7 +74,7 @@ def _entry(rank, world, port, backend, threads, group_of_one, fn, args, queue, e
 
 
 def run_ranks(world: int, fn, *args, backend: str = "gloo", threads: int = 1, group_of_one: bool = False,
-              timeout: float = 300.0, fresh: bool = False) -> list:
+              timeout: float = 1200.0, fresh: bool = False) -> list:
     """fn(rank, world, *args) on `world` new processes (`fn` must be importable, i.e. defined at
     module level); returns the results ordered by rank, or raises with every failing rank's
     traceback. A group is initialised when world > 1, or always with `group_of_one`. `fresh`: new
@@ -81,7 +83,7 @@ def run_ranks(world: int, fn, *args, backend: str = "gloo", threads: int = 1, gr
     if backend == "gloo":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before the fork server imports DeepSpeed
     ctx = _context(backend, fresh)
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
     procs = [ctx.Process(target=_entry, args=(r, world, port, backend, threads, group_of_one, fn, args, queue,
@@ -89,16 +91,44 @@ def run_ranks(world: int, fn, *args, backend: str = "gloo", threads: int = 1, gr
              for r in range(world)]
     for p in procs:
         p.start()
+    try:
+        results = _collect(queue, procs, timeout)
+    except BaseException:  # a failure, or the caller's own time-out: the other ranks would wait for good
+        for p in procs:
+            p.kill()
+        raise
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _collect(queue, procs: list, timeout: float) -> list:
+    """Each rank's result from `queue`, in rank order; raises with every failing rank's traceback, or
+    naming the ranks that died without a word or gave nothing within `timeout` seconds. Waits a second
+    at a time, so that a signal (pytest's time-out) reaches this thread while the ranks run."""
+    world = len(procs)
     results: dict[int, object] = {}
-    errors = []
-    for _ in range(world):
-        rank, status, value = queue.get()
+    errors: dict[int, str] = {}
+    deadline, gone = time.monotonic() + timeout, set()
+    while len(results) + len(errors) < world:
+        try:
+            rank, status, value = queue.get(timeout=1.0)
+        except Empty:
+            waiting = [r for r in range(world) if r not in results and r not in errors]
+            dead = [r for r in waiting if procs[r].exitcode is not None and r in gone]
+            gone |= {r for r in waiting if procs[r].exitcode is not None}  # its last words may be in flight
+            if dead or time.monotonic() > deadline:
+                raise AssertionError("\n".join([*(errors[r] for r in sorted(errors)), *(
+                    f"rank {r}: exited with code {procs[r].exitcode} and no result" if r in dead else
+                    f"rank {r}: no result within {timeout:.0f} s" for r in waiting)]))
+            continue
         if status == "error":
-            errors.append(f"rank {rank}:\n{value}")
+            errors[rank] = f"rank {rank}:\n{value}"
         else:
             results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-    for p in procs:
-        p.join(timeout)
     if errors:
-        raise AssertionError("\n".join(errors))
+        raise AssertionError("\n".join(errors[r] for r in sorted(errors)))
     return [results[r] for r in range(world)]

@@ -295,7 +295,9 @@ class PipelineEngine(Engine):
 
     @torch.no_grad()
     def evaluate(self, batches):
-        sums = self.dp_sum(self.pipe.eval_sums(batches, self.eval_task))
+        batches = list(batches)
+        passes = self._eval_passes(len(batches)) if self.pipe.sharded else None
+        sums = self.dp_sum(self.pipe.eval_sums(batches, self.eval_task, passes=passes))
         return self.task.summarize(*[float(x) for x in sums])
 
     # -- records ----------------------------------------------------------------------------------

@@ -362,15 +362,21 @@ class Pipeline:
 
     # -- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
-    def eval_sums(self, batches: Iterable[dict[str, torch.Tensor]], task, group=None) -> torch.Tensor:
+    def eval_sums(self, batches: Iterable[dict[str, torch.Tensor]], task, group=None, passes: int | None = None
+                  ) -> torch.Tensor:
         """[loss sum, predictions, correct] over `batches`, run forward through the stages; the last
         stage's sums on every rank of the pipeline. Written by hand rather than with a torch schedule:
-        validation batches vary in size, and torch's schedules fix microbatch shapes at their first step."""
-        group = group or self.pp_group
+        validation batches vary in size, and torch's schedules fix microbatch shapes at their first step.
+        `passes` beyond the batches repeat the first one, not counted: sharded stages gather their
+        weights from every replica in each forward pass, so each replica makes as many as the one with
+        the most batches."""
+        group, batches = group or self.pp_group, list(batches)
         sums = torch.zeros(3, device=self.device, dtype=torch.float64)
         for module in self.modules.values():
             module.eval()
-        for batch in batches:
+        for i in range(len(batches) if passes is None else passes):
+            batch = batches[min(i, len(batches) - 1)]
+            counted = i < len(batches)
             prepared = task.prepare(batch, self.device)
             rows = task.samples_of(batch)
             x = None
@@ -382,7 +388,8 @@ class Pipeline:
                     dist.recv(x, group_src=self.owner[s - 1], group=group)
                 x = self.modules[s](x)
                 if s == self.S - 1:
-                    sums += task.sums_from(x, prepared[task.label_key]).double()
+                    if counted:
+                        sums += task.sums_from(x, prepared[task.label_key]).double()
                 elif self.owner[s + 1] != self.pp_rank:
                     dist.send(x.contiguous(), group_dst=self.owner[s + 1], group=group)
         for module in self.modules.values():
