@@ -201,7 +201,7 @@ class Pipeline:
             stages_with = sorted({s for s, *_ in found})
             if len(stages_with) < 2:
                 continue
-            tie = Tie(found[0][4], sorted({self.owner[s] for s in stages_with}))
+            tie = Tie(found[0][4], sorted({self.owner[s] for s in stages_with}), self.owner[stages_with[0]])
             copies: dict[int, nn.Parameter] = {}
             for s, local, module, attr, _ in found:
                 if s not in self.local:
@@ -232,24 +232,50 @@ class Pipeline:
                             group = g
             self.tie_groups.append(group)
         self.sharded = False
+        self.tied_gradients: list[_TiedGradient] = []
 
-    def shard(self) -> None:
+    def shard(self, local_squares: Callable[[list[torch.Tensor]], None] | None = None) -> None:
         """FSDP2 over each stage's replicas (`data_parallel_sharding: fsdp`): each layer a unit, then the
         stage. torch's pipeline stages drive FSDP themselves: gradients are reduce-scattered (averaged)
-        after a step's last backward pass."""
-        from torch.distributed.fsdp import fully_shard
+        after a step's last backward pass. A module holding a tied parameter is a unit of its own.
+
+        `local_squares`, if given, is handed each unit's whole gradient as this replica computed it
+        (summed over the microbatches of a schedule step), just before it is reduce-scattered: the
+        gradient noise scale's small batch. A tied parameter's holders hand theirs over only once
+        summed, on the pipeline rank of its first stage, so that it counts once."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        from .fsdp import NormThenReduceScatter
 
         mesh = self.placement.mesh["dp"]
+        tie_units = {}
+        for tie, group in zip(self.ties, self.tie_groups):
+            gather = _TiedGradient(tie, group, self.pp_rank, len(tie.slots), local_squares)
+            for s, name in tie.slots:
+                unit = self.modules[s].get_submodule(name.rpartition(".")[0])
+                assert list(unit.parameters()) == [self.modules[s].get_parameter(name)], \
+                    f"{name}: a tied parameter's module holds other parameters too"
+                fully_shard(unit, mesh=mesh)
+                tie_units[unit] = gather
+        self.tied_gradients = list(dict.fromkeys(tie_units.values()))
         for module in self.modules.values():
             for layer in module:
                 fully_shard(layer, mesh=mesh)
             fully_shard(module, mesh=mesh)
+            if local_squares is not None:
+                for m in module.modules():
+                    if isinstance(m, FSDPModule):
+                        m.set_custom_reduce_scatter(NormThenReduceScatter(tie_units.get(m, local_squares)))
         self.sharded = True
+
+    def wait_for_tied_gradients(self) -> None:
+        """Finish sending the tied parameters' whole gradients (`shard` with `local_squares`)."""
+        for gather in self.tied_gradients:
+            gather.wait()
 
     def tied(self, tie: "Tie") -> list[nn.Parameter]:
         """This rank's copies of a tied parameter (looked up by name: engines may replace parameters)."""
-        slots = ([tie.counted] if tie.counted else []) + tie.copies
-        return [self.modules[s].get_parameter(name) for s, name in slots]
+        return [self.modules[s].get_parameter(name) for s, name in tie.slots]
 
     # -- where things are -----------------------------------------------------------------------
     @property
@@ -282,9 +308,13 @@ class Pipeline:
         return out
 
     # -- gradients ------------------------------------------------------------------------------
-    def reduce_grads(self, params: list[nn.Parameter] | None = None) -> None:
-        """Sum the gradients of tied copies (within the pipeline), then average over the stage's replicas."""
+    def reduce_grads(self, params: list[nn.Parameter] | None = None,
+                     local: Callable[[], None] | None = None) -> None:
+        """Sum the gradients of tied copies (within the pipeline), then average over the stage's replicas;
+        `local`, if given, is called in between, while each gradient is this replica's own."""
         self.sum_tied_grads()
+        if local is not None:
+            local()
         if self.D > 1 and not self.sharded:  # FSDP has averaged them
             grads = [p.grad for p in (params or self.parameters()) if p.grad is not None]
             works = [dist.all_reduce(g, group=self.dp_group, async_op=True) for g in grads]
@@ -309,12 +339,17 @@ class Pipeline:
                 if g is not total:
                     g.copy_(total)
 
+    def counted(self, params: list[nn.Parameter] | None = None) -> list[nn.Parameter]:
+        """`params` (default: this rank's) without the untied copies of tied parameters: each parameter
+        of the model once over the pipeline."""
+        copies = {id(self.modules[s].get_parameter(name)) for tie in self.ties for s, name in tie.copies}
+        return [p for p in (params or self.parameters()) if id(p) not in copies]
+
     def clip_grads(self, max_norm: float, params: list[nn.Parameter] | None = None) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient (tied copies counted once), like
         clip_grad_norm_ on the plain model; sharded stages' slices summed over the replicas."""
         params = params or self.parameters()
-        copies = {id(self.modules[s].get_parameter(name)) for tie in self.ties for s, name in tie.copies}
-        counted = [local_tensor(p.grad) for p in params if p.grad is not None and id(p) not in copies]
+        counted = [local_tensor(p.grad) for p in self.counted(params) if p.grad is not None]
         sq = torch.nn.utils.get_total_norm(counted, 2.0).pow(2) if counted else torch.zeros((), device=self.device)
         sq = sq.to(self.device)
         if self.sharded:
@@ -417,12 +452,55 @@ class Stage(nn.Sequential):
 @dataclass
 class Tie:
     """A parameter used on several stages: `counted` is this rank's original (stage, name), if here,
-    `copies` the untied copies here; `owners` the pipeline ranks holding any."""
+    `copies` the untied copies here; `owners` the pipeline ranks holding any, `keeper` the one holding
+    its first stage (the original)."""
 
     name: str
     owners: list[int]
+    keeper: int
     counted: tuple[int, str] | None = None
     copies: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def slots(self) -> list[tuple[int, str]]:
+        """(stage, name) of every holder on this rank, the original first."""
+        return ([self.counted] if self.counted else []) + self.copies
+
+
+class _TiedGradient:
+    """A tied parameter's whole gradient on this replica, summed over its holders before its squares are
+    counted (once): each holder here adds its unit's gradient as it is reduce-scattered; once all have,
+    the keeper's rank receives the other owners' sums and hands the total to `local_squares`, and any
+    other owner sends its sum there. (Gradients travel whole, once a step; the keeper's rank reduces last,
+    after its first stage's backward passes, by when the later stages have sent.)"""
+
+    def __init__(self, tie: Tie, group, pp_rank: int, holders: int, local_squares):
+        self.tie, self.group, self.pp_rank, self.holders = tie, group, pp_rank, holders
+        self.local_squares = local_squares
+        self.total, self.seen, self.sends = None, 0, []
+
+    def __call__(self, grads: list[torch.Tensor]) -> None:
+        (grad,) = grads
+        self.total = grad.clone() if self.total is None else self.total.add_(grad)
+        self.seen += 1
+        if self.seen < self.holders:
+            return
+        total, self.total, self.seen = self.total, None, 0
+        ranks = self.tie.owners
+        if self.pp_rank != self.tie.keeper:
+            self.sends.append((dist.isend(total, group_dst=ranks.index(self.tie.keeper), group=self.group), total))
+            return
+        for i, owner in enumerate(ranks):
+            if owner != self.pp_rank:
+                part = torch.empty_like(total)
+                dist.recv(part, group_src=i, group=self.group)
+                total += part
+        self.local_squares([total])
+
+    def wait(self) -> None:
+        for work, _ in self.sends:
+            work.wait()
+        self.sends = []
 
 
 def _slots(stage: nn.Module, paths: dict[int, str]) -> list[tuple[str, nn.Module, str, str]]:
