@@ -95,7 +95,7 @@ def test_what_a_prediction_needs_is_checked_before_start(changes, field, words):
     ({"name": "megatron", "tensor_parallel": 2}, 4, "fp32", ("megatron", 4, "fp32")),
     ({"name": "megatron", "tensor_parallel": 2}, 2, "fp32", ("ddp", 2, "fp32")),  # one data-parallel replica
     ({"name": "pipeline", "stages": 2}, 4, "fp32", ("pipeline", 4, "fp32")),
-    ({"name": "pipeline", "stages": 2, "data_parallel_sharding": "fsdp"}, 4, "bf16", ("pipeline", 4, "bf16")),
+    ({"name": "pipeline", "stages": 2, "data_parallel_sharding": "fsdp"}, 4, "bf16", ("ddp", 4, "bf16")),
     ({"name": "megatron", "tensor_parallel": 2, "stages": 2}, 8, "fp32", ("megatron", 8, "fp32")),
     ({"name": "pipeline", "stages": 2}, 2, "fp32", ("ddp", 2, "fp32")),  # one data-parallel replica
     ({"name": "pipedream", "stages": 2}, 4, "fp32", ("ddp", 4, "fp32")),

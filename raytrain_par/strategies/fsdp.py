@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -72,19 +72,19 @@ class Options:
 
 class NormThenReduceScatter:
     """FSDP2's reduce-scatter (torch's `ReduceScatter` interface, set by `set_custom_reduce_scatter`;
-    checked against torch 2.13) that first hands its input to `local_squares` (an engine's
-    `add_local_squares`): this rank's whole unsharded gradient of one unit (summed over the
-    micro-batches, padded with zeros), flat, in the reduce dtype -- where the gradient noise scale takes
-    a worker's own gradient, as DDP's communication hook does (one scalar per unit, no copy)."""
+    checked against torch 2.13) that first adds the squared norm of its input: this rank's whole
+    unsharded gradient of one unit (summed over the micro-batches, padded with zeros), flat, in the
+    reduce dtype -- where the gradient noise scale takes a worker's own gradient, as DDP's
+    communication hook does (one scalar per unit, no copy)."""
 
-    def __init__(self, local_squares: Callable[[list[torch.Tensor]], None]):
-        self.local_squares = local_squares
+    def __init__(self, engine: Engine):
+        self.engine = engine
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        self.local_squares([input_tensor])
+        self.engine.add_local_squares([input_tensor])
         return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
                                           async_op=async_op)
 
@@ -127,7 +127,7 @@ class FSDPEngine(Engine):
             fully_shard(self.model, **kwargs)
             if self.measures_noise_scale(options, train, self.layout):
                 self._start_noise()
-                comm = NormThenReduceScatter(self.add_local_squares)
+                comm = NormThenReduceScatter(self)
                 for m in self.model.modules():
                     if isinstance(m, FSDPModule):
                         m.set_custom_reduce_scatter(comm)

@@ -201,7 +201,7 @@ class Pipeline:
             stages_with = sorted({s for s, *_ in found})
             if len(stages_with) < 2:
                 continue
-            tie = Tie(found[0][4], sorted({self.owner[s] for s in stages_with}), self.owner[stages_with[0]])
+            tie = Tie(found[0][4], sorted({self.owner[s] for s in stages_with}))
             copies: dict[int, nn.Parameter] = {}
             for s, local, module, attr, _ in found:
                 if s not in self.local:
@@ -232,46 +232,19 @@ class Pipeline:
                             group = g
             self.tie_groups.append(group)
         self.sharded = False
-        self.tied_gradients: list[_TiedGradient] = []
 
-    def shard(self, local_squares: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+    def shard(self) -> None:
         """FSDP2 over each stage's replicas (`data_parallel_sharding: fsdp`): each layer a unit, then the
         stage. torch's pipeline stages drive FSDP themselves: gradients are reduce-scattered (averaged)
-        after a step's last backward pass. A module holding a tied parameter is a unit of its own.
-
-        `local_squares`, if given, is handed each unit's whole gradient as this replica computed it
-        (summed over the microbatches of a schedule step), just before it is reduce-scattered: the
-        gradient noise scale's small batch. A tied parameter's holders hand theirs over only once
-        summed, on the pipeline rank of its first stage, so that it counts once."""
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        from .fsdp import NormThenReduceScatter
+        after a step's last backward pass."""
+        from torch.distributed.fsdp import fully_shard
 
         mesh = self.placement.mesh["dp"]
-        tie_units = {}
-        for tie, group in zip(self.ties, self.tie_groups):
-            gather = _TiedGradient(tie, group, self.pp_rank, len(tie.slots), local_squares)
-            for s, name in tie.slots:
-                unit = self.modules[s].get_submodule(name.rpartition(".")[0])
-                assert list(unit.parameters()) == [self.modules[s].get_parameter(name)], \
-                    f"{name}: a tied parameter's module holds other parameters too"
-                fully_shard(unit, mesh=mesh)
-                tie_units[unit] = gather
-        self.tied_gradients = list(dict.fromkeys(tie_units.values()))
         for module in self.modules.values():
             for layer in module:
                 fully_shard(layer, mesh=mesh)
             fully_shard(module, mesh=mesh)
-            if local_squares is not None:
-                for m in module.modules():
-                    if isinstance(m, FSDPModule):
-                        m.set_custom_reduce_scatter(NormThenReduceScatter(tie_units.get(m, local_squares)))
         self.sharded = True
-
-    def wait_for_tied_gradients(self) -> None:
-        """Finish sending the tied parameters' whole gradients (`shard` with `local_squares`)."""
-        for gather in self.tied_gradients:
-            gather.wait()
 
     def tied(self, tie: "Tie") -> list[nn.Parameter]:
         """This rank's copies of a tied parameter (looked up by name: engines may replace parameters)."""
@@ -452,12 +425,10 @@ class Stage(nn.Sequential):
 @dataclass
 class Tie:
     """A parameter used on several stages: `counted` is this rank's original (stage, name), if here,
-    `copies` the untied copies here; `owners` the pipeline ranks holding any, `keeper` the one holding
-    its first stage (the original)."""
+    `copies` the untied copies here; `owners` the pipeline ranks holding any."""
 
     name: str
     owners: list[int]
-    keeper: int
     counted: tuple[int, str] | None = None
     copies: list[tuple[int, str]] = field(default_factory=list)
 
@@ -465,42 +436,6 @@ class Tie:
     def slots(self) -> list[tuple[int, str]]:
         """(stage, name) of every holder on this rank, the original first."""
         return ([self.counted] if self.counted else []) + self.copies
-
-
-class _TiedGradient:
-    """A tied parameter's whole gradient on this replica, summed over its holders before its squares are
-    counted (once): each holder here adds its unit's gradient as it is reduce-scattered; once all have,
-    the keeper's rank receives the other owners' sums and hands the total to `local_squares`, and any
-    other owner sends its sum there. (Gradients travel whole, once a step; the keeper's rank reduces last,
-    after its first stage's backward passes, by when the later stages have sent.)"""
-
-    def __init__(self, tie: Tie, group, pp_rank: int, holders: int, local_squares):
-        self.tie, self.group, self.pp_rank, self.holders = tie, group, pp_rank, holders
-        self.local_squares = local_squares
-        self.total, self.seen, self.sends = None, 0, []
-
-    def __call__(self, grads: list[torch.Tensor]) -> None:
-        (grad,) = grads
-        self.total = grad.clone() if self.total is None else self.total.add_(grad)
-        self.seen += 1
-        if self.seen < self.holders:
-            return
-        total, self.total, self.seen = self.total, None, 0
-        ranks = self.tie.owners
-        if self.pp_rank != self.tie.keeper:
-            self.sends.append((dist.isend(total, group_dst=ranks.index(self.tie.keeper), group=self.group), total))
-            return
-        for i, owner in enumerate(ranks):
-            if owner != self.pp_rank:
-                part = torch.empty_like(total)
-                dist.recv(part, group_src=i, group=self.group)
-                total += part
-        self.local_squares([total])
-
-    def wait(self) -> None:
-        for work, _ in self.sends:
-            work.wait()
-        self.sends = []
 
 
 def _slots(stage: nn.Module, paths: dict[int, str]) -> list[tuple[str, nn.Module, str, str]]:
