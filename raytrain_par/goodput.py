@@ -7,7 +7,7 @@ measured apart:
 - statistical efficiency: one reference run trains the experiment's own configuration (global
   batch M0) to the target, measuring the gradient noise scale as it goes (metrics/goodput.py). From
   it the steps to the target at any global batch M follow, S = S_min (1 + B_noise / M), and the
-  efficiency against M0, (B_noise + M0) / (B_noise + M). Data-parallel engines with two replicas or
+  efficiency against M0, (B_noise + M0) / (B_noise + M). Engines with two data-parallel replicas or
   more measure the noise scale (see Engine.measures_noise_scale); an experiment whose own strategy or
   worker count does not is measured with ddp on two workers instead (same model, data, batch and
   learning rate).
@@ -75,7 +75,7 @@ def strategy_key(spec: ExperimentSpec) -> str:
 
 def reference_spec(spec: ExperimentSpec) -> tuple[ExperimentSpec, str | None]:
     """The experiment's own configuration, stopping at the target, with its records kept under plan/;
-    where its own strategy, layout or precision does not measure the noise scale (pipelines, a single
+    where its own strategy, layout or precision does not measure the noise scale (pipedream, a single
     data-parallel replica, fp16's loss scaling), ddp on two workers or more in fp32 or bf16 (and why)."""
     from .strategies import engine_class
 

@@ -83,16 +83,43 @@ def test_noise_scale_measured_in_training_matches_per_example_gradients(info, st
     assert estimates[0] == pytest.approx(truth, rel=0.25), (estimates[0], truth)
 
 
-def _estimates(rank, world, specs, info_dict, steps):
-    return [_frozen_estimate(rank, world, spec, info_dict, steps) for spec in specs]
+def _estimates(rank, world, cases, info_dict):
+    """_frozen_estimate of each (spec, steps) case, in one process group."""
+    return [_frozen_estimate(rank, world, spec, info_dict, steps) for spec, steps in cases]
+
+
+def test_pipelines_measure_the_noise_scale_with_each_stage_counted_once(info):
+    """A pipeline of 2 stages x 2 replicas: a replica's gradient summed over its microbatches, the tied
+    embedding once (its halves on the first and last stage summed first), against per-example gradients;
+    megatron with stages measures what the pipeline measures on the same batches; one replica has no
+    second batch size (pipeline, megatron with stages). One process group."""
+    pipe = {"name": "pipeline", "stages": 2, "microbatches": 2}
+
+    def spec(strategy, **train):
+        return experiment("gpt2-tiny", KJV, strategy=strategy, workers=4, batch=16, steps=STEPS, **train)
+
+    cases = [(spec(pipe), STEPS),
+             (spec(pipe), 8), (spec({"name": "megatron", "tensor_parallel": 1, "stages": 2, "microbatches": 2}), 8),
+             (spec({"name": "pipeline", "stages": 4, "microbatches": 4}), 2),
+             (spec({"name": "megatron", "tensor_parallel": 2, "stages": 2, "microbatches": 2}), 2)]
+    info_dict = info("kjv", seq_len=32, vocab_size=512)
+    per_rank = run_ranks(4, _estimates, cases, info_dict)
+    assert all(estimates == per_rank[0] for estimates in per_rank)  # every stage and replica agrees
+    replicated, short, megatron, one_replica, megatron_one_replica = per_rank[0]
+    truth = _per_example(json.dumps(info_dict, sort_keys=True))
+    print(f"\npipeline 2 x 2: measured {replicated:.4f}, per-example {truth:.1f}; "
+          f"after 8 steps pipeline {short:.6f}, megatron {megatron:.6f}")
+    assert replicated == pytest.approx(truth, rel=0.25), replicated
+    assert short is not None and megatron == pytest.approx(short, rel=1e-4)
+    assert one_replica is None and megatron_one_replica is None
 
 
 def test_every_zero_stage_measures_the_noise_scale(info):
     """zero-1 and zero-3 take the workers' gradients in the same hooks as zero-2 (checked above); here
     without accumulation, so the small batch is each worker's whole local batch. (One process group
     for both: starting DeepSpeed costs more than the steps.)"""
-    specs = [experiment("gpt2-tiny", KJV, strategy=s, workers=2, batch=16, steps=2) for s in ("zero-1", "zero-3")]
-    per_rank = run_ranks(2, _estimates, specs, info("kjv", seq_len=32, vocab_size=512), 2)
+    cases = [(experiment("gpt2-tiny", KJV, strategy=s, workers=2, batch=16, steps=2), 2) for s in ("zero-1", "zero-3")]
+    per_rank = run_ranks(2, _estimates, cases, info("kjv", seq_len=32, vocab_size=512))
     for estimates in zip(*per_rank):  # by stage: the ranks agree, on a positive value
         assert len(set(estimates)) == 1 and estimates[0] is not None and estimates[0] > 0, estimates
 

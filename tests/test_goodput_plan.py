@@ -94,10 +94,15 @@ def test_what_a_prediction_needs_is_checked_before_start(changes, field, words):
     ({"name": "fsdp"}, 4, "fp32", ("fsdp", 4, "fp32")),
     ({"name": "megatron", "tensor_parallel": 2}, 4, "fp32", ("megatron", 4, "fp32")),
     ({"name": "megatron", "tensor_parallel": 2}, 2, "fp32", ("ddp", 2, "fp32")),  # one data-parallel replica
-    ({"name": "pipeline", "stages": 2}, 4, "fp32", ("ddp", 4, "fp32")),
+    ({"name": "pipeline", "stages": 2}, 4, "fp32", ("pipeline", 4, "fp32")),
+    ({"name": "pipeline", "stages": 2, "data_parallel_sharding": "fsdp"}, 4, "bf16", ("ddp", 4, "bf16")),
+    ({"name": "megatron", "tensor_parallel": 2, "stages": 2}, 8, "fp32", ("megatron", 8, "fp32")),
+    ({"name": "pipeline", "stages": 2}, 2, "fp32", ("ddp", 2, "fp32")),  # one data-parallel replica
+    ({"name": "pipedream", "stages": 2}, 4, "fp32", ("ddp", 4, "fp32")),
     ({"name": "ddp"}, 1, "fp32", ("ddp", 2, "fp32")),
     ({"name": "zero-1"}, 2, "fp16", ("ddp", 2, "fp32")),  # loss-scaled gradients
-], ids=["zero-2", "fsdp", "megatron-t2-d2", "megatron-t2-d1", "pipeline", "ddp-alone", "zero-1-fp16"])
+], ids=["zero-2", "fsdp", "megatron-t2-d2", "megatron-t2-d1", "pipeline-p2-d2", "pipeline-fsdp-p2-d2",
+        "megatron-t2-p2-d2", "pipeline-p2-d1", "pipedream", "ddp-alone", "zero-1-fp16"])
 def test_the_reference_trains_the_experiments_own_strategy_where_it_measures_the_noise_scale(
         strategy, workers, precision, trained):
     from raytrain_par.goodput import reference_spec

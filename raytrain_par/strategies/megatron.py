@@ -429,8 +429,9 @@ class MegatronEngine(Engine):
     @classmethod
     def measures_noise_scale(cls, options, train, layout):
         """Each data-parallel replica's gradient over its whole local batch against the reduced one: 2 or
-        more replicas held by DDP (data_parallel_sharding none), no stages."""
-        return options.stages == 1 and options.data_parallel_sharding == "none" and layout.data > 1
+        more replicas held by DDP (data_parallel_sharding none), or, with stages, 2 or more replicas of
+        each stage (megatron_pipeline.py, as the pipeline engine measures it)."""
+        return options.data_parallel_sharding == "none" and layout.data > 1
 
     # -- training ----------------------------------------------------------------------------------
     def train_step(self, batch):

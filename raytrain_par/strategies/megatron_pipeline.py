@@ -115,19 +115,23 @@ class MegatronPipelineEngine(PipelineEngine):
     def eval_task(self):
         return _SplitVocabularyTask(self.task, self.head_start, self.tp)
 
-    def clip_grads(self, max_norm: float) -> torch.Tensor:
-        """One norm over tensor, pipeline and data dimensions, each parameter once (module docstring)."""
-        params = self.pipe.parameters()
-        copies = {id(self.pipe.modules[s].get_parameter(name)) for tie in self.pipe.ties for s, name in tie.copies}
-        counted = [p for p in params if p.grad is not None and id(p) not in copies]
+    def grad_squares(self) -> torch.Tensor:
+        """[squares of the split parameters' gradients, of the replicated ones'] on this rank, each
+        parameter once over the pipeline (the untied copy of the embedding left out)."""
+        counted = [p for p in self.pipe.counted() if p.grad is not None]
         split = [p.grad for p in counted if self.names[id(p)] in self.splits]
         replicated = [p.grad for p in counted if self.names[id(p)] not in self.splits]
         zero = torch.zeros((), device=self.device)
-        squares = [torch.nn.utils.get_total_norm(g).pow(2).to(self.device) if g else zero for g in (split, replicated)]
-        total = self.tp.all_reduce(squares[0].clone()) + squares[1]
+        return torch.stack([torch.nn.utils.get_total_norm(g).pow(2).to(zero) if g else zero
+                            for g in (split, replicated)])
+
+    def clip_grads(self, max_norm: float) -> torch.Tensor:
+        """One norm over tensor, pipeline and data dimensions, each parameter once (module docstring)."""
+        squares = self.grad_squares()
+        total = self.tp.all_reduce(squares[:1].clone()) + squares[1:]
         dist.all_reduce(total, group=self.pipe.pp_group)
-        norm = total.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        norm = total.sqrt().reshape(())
+        torch.nn.utils.clip_grads_with_norm_(self.pipe.parameters(), max_norm, norm)
         return norm
 
     # -- state ------------------------------------------------------------------------------------

@@ -184,6 +184,14 @@ class PipeDreamEngine(Engine):
         return cls, options
 
     @classmethod
+    def measures_noise_scale(cls, options, train, layout):
+        """Not measured: the small batches' squares add up over every stage, and the stages update on a
+        minibatch's gradient at different times (the last first), so collecting them each update would
+        hold every stage back to the first one's pace; the tied embedding's halves meet only once reduced
+        over the replicas."""
+        return False
+
+    @classmethod
     def estimate_rank(cls, pipe: Options, train, dp: int, pp_rank: int, params: dict[int, int],
                       micro: dict[int, float], fixed: dict[int, float]) -> tuple[StateBytes, float, float]:
         """What stage p holds (see PipelineEngine.estimate_rank for the arguments): its fp32 model

@@ -7,7 +7,11 @@ through the stages; gradients are complete when the schedule flushes, and every 
 ordinary optimizer step on its own stages. The result equals training the plain model on the whole
 batch. With num_workers = stages x D, each stage's gradients are averaged over its D replicas by an
 explicit all-reduce on the stage's data-parallel group (a DDP-wrapped stage fails from the second
-step on under torch's schedules).
+step on under torch's schedules). With D >= 2 the gradient noise scale is measured (base.py): a
+replica's own gradient is whole just before that all-reduce, and its squares add over the stages,
+the tied embedding counted once. Not under `data_parallel_sharding: fsdp`: there a replica's whole
+gradient of the tied embedding exists nowhere (its halves are reduce-scattered apart, on two stages),
+and joining them would send a whole embedding gradient each step.
 
 Mixed precision (`train.precision: bf16`) is autocast over fp32 parameters, as ddp does it: the
 weights, gradients, optimizer state and checkpoints stay fp32 (the master weights), each stage's
@@ -225,6 +229,14 @@ class PipelineEngine(Engine):
         activations = held_activations(schedule_actions(pipe, pp_rank), micro) + sum(fixed[s] for s in local)
         return StateBytes(theory, theory), activations, (4 + 4) * n if every else 0.0
 
+    @classmethod
+    def measures_noise_scale(cls, options, train, layout):
+        """Each replica's gradient over its rows against the reduced one: 2 or more data-parallel
+        replicas, not sharded (module docstring). (With one, no smaller batch's gradient is ever whole:
+        torch's schedules add each microbatch's gradient into `.grad` as its backward pass runs, the
+        stages in interleaved order.)"""
+        return layout.data > 1 and layout.sharding == "none"
+
     def stage_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean loss of one microbatch from the last stage's output."""
         return self.task.loss_from(logits, labels)
@@ -239,6 +251,8 @@ class PipelineEngine(Engine):
         self.pipeline_options = o = self.schedule_options(options)
         self.pipe = Pipeline(model, self.placement, self.device, o.stages * o.stages_per_worker, o.stages_of,
                              o.split_points, o.balance, train.precision, self.split_layers)
+        if self.measures_noise_scale(options, train, self.layout):
+            self._start_noise()
         if o.data_parallel_sharding == "fsdp" and self.dp_size > 1:
             self.pipe.shard()
         self.microbatches = o.num_microbatches
@@ -284,11 +298,23 @@ class PipelineEngine(Engine):
                 total += torch.stack(losses).detach().sum()
         busy = self.busy.take()  # waits for the device before the step's time is read
         self.bubble.add(1.0 - busy / max(time.perf_counter() - t0, 1e-9))
-        pipe.reduce_grads()
+        # The noise scale's small batch: a replica's gradient summed over its microbatches, before it is
+        # averaged over the replicas (once tied copies are summed).
+        own = (lambda: self._local_sq.add_(self.grad_squares())) if self.measures_noise else None  # noqa: E731
+        pipe.reduce_grads(local=own)
+        if self.measures_noise:
+            self.note_noise(task.samples_of(batch), self.grad_squares(), copies=self.dp_size)
         if self.train.grad_clip:
             self.clip_grads(self.train.grad_clip)
         self.optimizer_step()
         return pipe.from_last(total)
+
+    def grad_squares(self) -> torch.Tensor:
+        """[squared norm of this rank's gradients, 0] with every parameter once over the pipeline (tied
+        copies left out): `note_noise`'s [own, replicated over the tensor-parallel group]."""
+        grads = [local_tensor(p.grad) for p in self.pipe.counted() if p.grad is not None]
+        zero = torch.zeros((), device=self.device)
+        return torch.stack([torch.nn.utils.get_total_norm(grads).pow(2).to(zero) if grads else zero, zero])
 
     def clip_grads(self, max_norm: float) -> torch.Tensor:
         return self.pipe.clip_grads(max_norm)

@@ -248,8 +248,7 @@ class Pipeline:
 
     def tied(self, tie: "Tie") -> list[nn.Parameter]:
         """This rank's copies of a tied parameter (looked up by name: engines may replace parameters)."""
-        slots = ([tie.counted] if tie.counted else []) + tie.copies
-        return [self.modules[s].get_parameter(name) for s, name in slots]
+        return [self.modules[s].get_parameter(name) for s, name in tie.slots]
 
     # -- where things are -----------------------------------------------------------------------
     @property
@@ -282,9 +281,13 @@ class Pipeline:
         return out
 
     # -- gradients ------------------------------------------------------------------------------
-    def reduce_grads(self, params: list[nn.Parameter] | None = None) -> None:
-        """Sum the gradients of tied copies (within the pipeline), then average over the stage's replicas."""
+    def reduce_grads(self, params: list[nn.Parameter] | None = None,
+                     local: Callable[[], None] | None = None) -> None:
+        """Sum the gradients of tied copies (within the pipeline), then average over the stage's replicas;
+        `local`, if given, is called in between, while each gradient is this replica's own."""
         self.sum_tied_grads()
+        if local is not None:
+            local()
         if self.D > 1 and not self.sharded:  # FSDP has averaged them
             grads = [p.grad for p in (params or self.parameters()) if p.grad is not None]
             works = [dist.all_reduce(g, group=self.dp_group, async_op=True) for g in grads]
@@ -309,12 +312,17 @@ class Pipeline:
                 if g is not total:
                     g.copy_(total)
 
+    def counted(self, params: list[nn.Parameter] | None = None) -> list[nn.Parameter]:
+        """`params` (default: this rank's) without the untied copies of tied parameters: each parameter
+        of the model once over the pipeline."""
+        copies = {id(self.modules[s].get_parameter(name)) for tie in self.ties for s, name in tie.copies}
+        return [p for p in (params or self.parameters()) if id(p) not in copies]
+
     def clip_grads(self, max_norm: float, params: list[nn.Parameter] | None = None) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient (tied copies counted once), like
         clip_grad_norm_ on the plain model; sharded stages' slices summed over the replicas."""
         params = params or self.parameters()
-        copies = {id(self.modules[s].get_parameter(name)) for tie in self.ties for s, name in tie.copies}
-        counted = [local_tensor(p.grad) for p in params if p.grad is not None and id(p) not in copies]
+        counted = [local_tensor(p.grad) for p in self.counted(params) if p.grad is not None]
         sq = torch.nn.utils.get_total_norm(counted, 2.0).pow(2) if counted else torch.zeros((), device=self.device)
         sq = sq.to(self.device)
         if self.sharded:
@@ -430,6 +438,11 @@ class Tie:
     owners: list[int]
     counted: tuple[int, str] | None = None
     copies: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def slots(self) -> list[tuple[int, str]]:
+        """(stage, name) of every holder on this rank, the original first."""
+        return ([self.counted] if self.counted else []) + self.copies
 
 
 def _slots(stage: nn.Module, paths: dict[int, str]) -> list[tuple[str, nn.Module, str, str]]:
