@@ -20,14 +20,14 @@ def experiment(model="gpt2-tiny", data="kjv", strategy="ddp", workers=1, batch=1
     return config.parse(spec).to_dict()
 
 
-def train_steps(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: int) -> dict:
+def train_steps(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: int, distributed: bool = True) -> dict:
     """Train `steps` optimizer steps; returns {'losses': [global loss per step], 'state': full state dict,
-    'memory': engine.memory()}."""
+    'memory': engine.memory()}. Not `distributed`: one process, outside the group this rank is in."""
     spec = config.from_dict(spec_dict)
     info = DatasetInfo.from_json(info_dict)
     arrays = read_split(info, info.train_path)  # before the engine, as in the worker loop: not model state
     model, task = models.build(spec.model, info, spec.train.seed)
-    ctx = DistContext.current(torch.device("cpu"))
+    ctx = DistContext.current(torch.device("cpu")) if distributed else DistContext()
     engine = strategies.build_engine(spec.strategy, model, task, spec.train, ctx, total_steps=steps)
     del model  # as the worker loop does: what an engine does not keep is freed
     loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
