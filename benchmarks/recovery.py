@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import ray
-from common import print_table, write_json
+from common import markdown_table, print_table, write_json, write_page
 from ray.util.state import list_actors
 
 from raytrain_par.config import load_experiment
@@ -88,20 +88,20 @@ def measure(strategy: str, a, work: Path) -> dict:
 def start_head(cpus: int, work: Path) -> subprocess.Popen:
     """A Ray head of this machine's own (`ray start --head`) that other nodes can join: an embedded
     cluster listens on the loopback address only, which a second node cannot reach. Its processes run
-    in a session of their own, which `stop_node` ends. This process then connects to it."""
+    in a session of their own, which `stop_node` ends. This process then connects to it, with the token
+    `with_token` set."""
     from raytrain_par.local_group import free_port
 
-    port = free_port()
-    token = work / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))  # this process and the nodes
-    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                             "--disable-usage-stats", f"--port={port}", f"--num-cpus={cpus}",
-                             "--dashboard-host=127.0.0.1"], env=os.environ, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     from ray._private.services import get_node_ip_address
 
-    address = f"{get_node_ip_address()}:{port}"
+    address = f"{get_node_ip_address()}:{free_port()}"
+    # RAY_ADDRESS in the nodes' processes: Ray Train's placement-group cleaner looks the cluster up
+    # without an address, and would find another one of this machine.
+    os.environ["RAY_ADDRESS"] = address
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                             "--disable-usage-stats", f"--port={address.rpartition(':')[2]}", f"--num-cpus={cpus}",
+                             "--dashboard-host=127.0.0.1"], env=os.environ, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while True:
         try:
@@ -112,6 +112,30 @@ def start_head(cpus: int, work: Path) -> subprocess.Popen:
                 stop_node(head)
                 raise RuntimeError(f"the Ray head at {address} did not start within 120 s") from None
             time.sleep(1)
+
+
+def forget_head(address: str) -> None:
+    """`ray start --head` records the head as this machine's current cluster (Ray's address file, which
+    a later `ray.init()` without an address joins); killed, it cannot take that back itself."""
+    from ray._common.utils import get_ray_address_file
+
+    recorded = Path(get_ray_address_file(None))
+    if recorded.exists() and recorded.read_text().strip() == address:
+        recorded.unlink()
+
+
+def with_token() -> None:
+    """Token authentication for the head, its nodes and this process: a new token in a file of its own.
+    Ray reads its authentication settings once, as it is imported, so this process starts again with
+    them set (the nodes inherit them)."""
+    if os.environ.get("RAYTRAIN_PAR_RECOVERY_TOKEN"):
+        return
+    token = Path(tempfile.mkdtemp(prefix="raytrain-par-recovery-token-")) / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+           "RAYTRAIN_PAR_RECOVERY_TOKEN": "1"}
+    env.pop("RAY_AUTH_TOKEN", None)
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def start_node(cpus: int) -> subprocess.Popen:
@@ -200,10 +224,12 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=2, help="evaluations (every 2 steps) per checkpoint")
     p.add_argument("--elastic", action="store_true", help="measure an elastic run losing a node and regaining it")
     p.add_argument("--node-cpus", type=int, default=2, help="--elastic: CPUs of each node, and of each worker")
-    p.add_argument("--out")
+    p.add_argument("--out", help="the JSON file (default benchmarks/results/recovery[-elastic].json)")
+    p.add_argument("--page", help="the docs page (default docs/recovery[-elastic].md)")
     a = p.parse_args()
     a.steps = a.steps or (40 if a.elastic else 16)
     if a.elastic:
+        with_token()
         # The head holds one worker (and a CPU for Ray Data); the second node the other.
         work = Path(tempfile.mkdtemp(prefix="raytrain-par-recovery-"))
         head = start_head(a.node_cpus + 1, work)
@@ -212,12 +238,30 @@ def main() -> None:
         finally:
             ray.shutdown()
             stop_node(head)
-        print_table(["run", "node lost at step", "resumed from", "steps redone", "loss -> training (s)",
-                     "return -> 2 workers (s)", "workers per evaluation", "final val_loss (fixed run)"],
-                    [[r["strategy"], r["node_lost_at_step"], r["resumed_from_step"], r["steps_redone"],
-                      f"{r['recovery_s']:.1f}", "-" if r["grow_s"] is None else f"{r['grow_s']:.1f}",
-                      " ".join(map(str, r["workers"])), f"{r['final_val_loss']:.6f} ({r['fixed_final_val_loss']:.6f})"]])
+            forget_head(os.environ["RAY_ADDRESS"])
+        head = ["run", "node lost at step", "resumed from", "steps redone", "loss -> training (s)",
+                "return -> 2 workers (s)", "workers per evaluation", "final val_loss (fixed run)"]
+        rows = [[r["strategy"], r["node_lost_at_step"], r["resumed_from_step"], r["steps_redone"],
+                 f"{r['recovery_s']:.1f}", "-" if r["grow_s"] is None else f"{r['grow_s']:.1f}",
+                 " ".join(map(str, r["workers"])), f"{r['final_val_loss']:.6f} ({r['fixed_final_val_loss']:.6f})"]]
+        print_table(head, rows)
         print(f"written {write_json('recovery-elastic', {'rows': [r], 'steps': a.steps}, a.out)}")
+        same = abs(r["final_val_loss"] - r["fixed_final_val_loss"]) <= 1e-5 * abs(r["fixed_final_val_loss"])
+        page = write_page("recovery-elastic", "Elastic training: a node lost and regained", f"""
+An elastic run (`scaling.num_workers: [1, 2]`, the quickstart model, {a.steps} steps, an evaluation and a
+checkpoint every 2 steps) on two Ray nodes of this machine, one worker each. After step {a.kill_after} the
+second node is killed (its raylet and workers, as a machine that vanishes); once training goes on with
+one worker the node is started again, and the run grows back to two. Ray's defaults throughout
+(`RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S` 60 s: after the loss, Ray Train first asks again for two
+workers until that runs out; see [failures.md](failures.md#elastic-training-num_workers-min-max)).
+
+{markdown_table(head, rows)}
+
+Every step was trained once and recorded once: {"yes" if r["steps_match"] else "NO"} (the evaluations' steps
+equal the fixed run's). Final validation loss equal to the uninterrupted fixed run of 2 workers within
+1e-5 relative: {"yes" if same else "NO"}. Completed: {"yes" if r["completed"] else "NO"}.
+""", a.page)
+        print(f"written {page}")
         return
     unknown = [s for s in a.strategies.split(",") if s not in STRATEGIES]
     if unknown:
@@ -225,11 +269,24 @@ def main() -> None:
     start_local_cluster(num_cpus=a.workers + 1, env=worker_env())
     work = Path(tempfile.mkdtemp(prefix="raytrain-par-recovery-"))
     rows = [measure(s, a, work) for s in a.strategies.split(",")]
-    print_table(["strategy", "killed at step", "resumed from", "steps redone", "kill -> training (s)", "completed"],
-                [[r["strategy"], r["killed_at_step"], r["resumed_from_step"], r["steps_redone"],
-                  f"{r['recovery_s']:.1f}", r["completed"]] for r in rows])
+    head = ["strategy", "killed at step", "resumed from", "steps redone", "kill -> training (s)", "completed"]
+    table = [[r["strategy"], r["killed_at_step"], r["resumed_from_step"], r["steps_redone"], f"{r['recovery_s']:.1f}",
+              "yes" if r["completed"] else "NO"] for r in rows]
+    print_table(head, table)
     print(f"written {write_json('recovery', {'rows': rows, 'steps': a.steps, 'workers': a.workers}, a.out)}")
+    page = write_page("recovery", "Recovery from a lost worker", f"""
+A training worker is killed (SIGKILL from outside) after step {a.kill_after} of a {a.steps}-step run of the
+quickstart model on {a.workers} workers, with an evaluation every 2 steps and a checkpoint every
+{a.checkpoint_every} evaluations (`train.max_failures: 1`): the time from the kill to training resumed,
+and the steps trained again (those after the latest checkpoint). The model-parallel strategies run
+2-way: megatron `tensor_parallel: 2`, pipeline 2 stages with 1F1B.
 
+{markdown_table(head, table)}
+
+Most of the time to resume is Ray Train starting a new worker group (processes, process group, the
+data set) and loading the checkpoint.
+""", a.page)
+    print(f"written {page}")
 
 if __name__ == "__main__":
     main()

@@ -118,7 +118,8 @@ def start_local_cluster(num_cpus: int, env: dict[str, str]) -> None:
     port = free_port()
     env = {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
     with _single_machine(), _environ({ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE: str(port)}):
-        ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+        # address "local": a new cluster always, never one `ray start` left running or recorded
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                  runtime_env={"env_vars": env}, log_to_driver=True, logging_level="WARNING")
     _start_autoscaling_coordinator()
 

@@ -18,6 +18,9 @@ CLIP = {"gradient_accumulation_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1,
         "lr_schedule": "cosine"}
 
 
+PIPELINE_FSDP = {"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}
+
+
 def three_d(stages=2, tensor=2, **more):
     return {"name": "megatron", "tensor_parallel": tensor, "stages": stages, "microbatches": 2, **more}
 
@@ -114,8 +117,7 @@ def test_tensor_by_pipeline_by_data_matches_one_process(kjv, reference):
 
 def test_pipeline_by_sharded_data_matches_one_process(kjv, reference):
     """P2 x D2 with each stage sharded over its replicas by FSDP2, with accumulation and clipping."""
-    strategy = {"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}
-    spec = experiment(data=KJV, strategy=strategy, workers=4, steps=STEPS, **CLIP)
+    spec = experiment(data=KJV, strategy=PIPELINE_FSDP, workers=4, steps=STEPS, **CLIP)
     _check(run_ranks(4, _run, [(spec, kjv, STEPS)]), reference)
 
 
@@ -131,3 +133,17 @@ def test_tensor_by_pipeline_through_ray(ray_cluster, kjv, reference, tmp_path):
     last = result.records[-1]
     assert exported_val_loss(result.results_dir, kjv, 16) == pytest.approx(last["val_loss"], abs=1e-5)
     assert (last["pipeline_parallel"], last["tensor_parallel"], last["data_parallel"]) == (2, 2, 1)
+
+
+@pytest.mark.ray
+def test_pipeline_by_sharded_data_through_ray(ray_cluster, kjv, reference, tmp_path):
+    """P2 x D2 on 4 Ray workers, each stage sharded over its 2 replicas by FSDP2: the per-step losses of
+    one process, a checkpoint of whole stages per pipeline rank (gathered from the replicas' slices),
+    and `raytrain-par export` joining them into a plain GPT-2 that scores the run's validation loss."""
+    result, losses, files = through_ray(experiment(data=KJV, strategy=PIPELINE_FSDP, workers=4, steps=STEPS, **CLIP),
+                                        tmp_path)
+    assert losses == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+    assert files >= {f"pipeline-rank{p}.pt" for p in range(2)}
+    last = result.records[-1]
+    assert exported_val_loss(result.results_dir, kjv, 16) == pytest.approx(last["val_loss"], abs=1e-5)
+    assert (last["pipeline_parallel"], last["data_parallel"], last["data_parallel_sharding"]) == (2, 2, "fsdp")
