@@ -9,14 +9,21 @@ import time
 
 import pytest
 import ray
+import torch
 from ray.util.state import list_actors
 
 from conftest import experiment_file
-from raytrain_par import checkpoints
+from engines import experiment
+from raytrain_par import checkpoints, config, models, strategies
 from raytrain_par.config import load_experiment
+from raytrain_par.data.loader import MemoryLoader
+from raytrain_par.data.shards import DatasetInfo, read_split
 from raytrain_par.driver import check_resumable, run_experiment
 from raytrain_par.errors import UserError
+from raytrain_par.local_group import run_ranks
 from raytrain_par.metrics.records import read_records
+from raytrain_par.strategies import DistContext
+from raytrain_par.strategies.base import lr_factor
 
 COMMON = ["train.eval_every_steps=2", "train.lr_schedule=constant", "train.warmup_steps=0", "train.grad_clip=0.0",
           "data.max_val_samples=16", "scaling.num_workers=2", "train.keep_checkpoints=2"]
@@ -151,3 +158,40 @@ def test_resume_with_other_optimizer_settings_is_refused_and_a_new_schedule_is_s
     check_resumable(_spec(tmp_path, "train.max_steps=20", "train.lr_schedule=cosine"), tmp_path / "train", said.append)
     assert said == ["--resume: train.max_steps 10 -> 20: the learning-rate schedule is the experiment's new one, "
                     "continued from the checkpoint's step"]
+
+
+def _rates_after_resume(rank, world, info_dict, directory):
+    """Per strategy: (the first step's rate after resuming a 2-step cosine run's checkpoint as a 6-step
+    one, the rate that checkpoint's own schedule left in the optimizer)."""
+    info, out = DatasetInfo.from_json(info_dict), {}
+    arrays = read_split(info, info.train_path)
+
+    def engine(strategy, steps):
+        spec = config.from_dict(experiment(strategy=strategy, steps=steps, lr_schedule="cosine", min_lr_ratio=0.1))
+        model, task = models.build(spec.model, info, spec.train.seed)
+        return strategies.build_engine(spec.strategy, model, task, spec.train, DistContext.current(torch.device("cpu")),
+                                       total_steps=steps), spec
+
+    for strategy in ("ddp", "zero-1"):
+        written, spec = engine(strategy, 2)
+        loader = MemoryLoader(arrays, spec.train.global_batch_size, 0, 1, spec.train.seed)
+        for _, batch in zip(range(2), loader.epoch(0)):
+            written.train_step(batch)
+        (directory / strategy).mkdir()
+        written.save(directory / strategy)
+        resumed, _ = engine(strategy, 6)
+        resumed.load(directory / strategy)
+        out[strategy] = (resumed.lr, written.lr)
+    return out
+
+
+def test_a_resume_trains_its_first_step_at_the_new_schedules_rate(info, tmp_path):
+    """A 2-step cosine run ends at its lowest rate; resumed as a 6-step run, step 3 trains at the 6-step
+    schedule's rate for it, not at the rate the checkpoint's optimizer state holds (ddp, and ZeRO, whose
+    scheduler DeepSpeed holds)."""
+    kjv = info("kjv", seq_len=32, vocab_size=512)
+    (rates,) = run_ranks(1, _rates_after_resume, kjv, tmp_path, group_of_one=True)
+    six = config.from_dict(experiment(steps=6, lr_schedule="cosine", min_lr_ratio=0.1)).train
+    for strategy, (resumed, written) in rates.items():
+        assert written == pytest.approx(1e-3 * 0.1), strategy  # the 2-step schedule's end
+        assert resumed == pytest.approx(1e-3 * lr_factor(six, 6)(2)) and resumed > 2 * written, strategy

@@ -331,6 +331,17 @@ class Engine(ABC):
         if getattr(self, "scheduler", None) is not None:
             self.scheduler.step()
 
+    def load_scheduler(self, state: dict) -> None:
+        """The learning-rate schedule's place from a checkpoint, and the rate of the next step from this
+        run's schedule: the optimizer state restored beside it holds the rate the checkpoint's own
+        schedule set, which a resume that changes the schedule (max_steps, warm-up, shape) would
+        otherwise train its first step with."""
+        self.scheduler.load_state_dict(state)
+        s = self.scheduler
+        s._last_lr = [base * factor(s.last_epoch) for base, factor in zip(s.base_lrs, s.lr_lambdas)]
+        for group, lr in zip(s.optimizer.param_groups, s._last_lr):
+            group["lr"] = lr
+
     def note_memory(self) -> None:
         """Called right before and right after the optimizer step (before gradients are freed):
         model states peak at one of the two moments, once the optimizer has its state. Does nothing

@@ -143,7 +143,7 @@ class DDPEngine(Engine):
         state = load_tensors(directory / "ddp.pt", self.device)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.load_scheduler(state["scheduler"])
         if self.scaler and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
 

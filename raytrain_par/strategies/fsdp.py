@@ -204,7 +204,7 @@ class FSDPEngine(Engine):
         optim = state["optimizer"]
         optim["state"] = {i: {k: local(v, params[int(i)]) for k, v in s.items()} for i, s in optim["state"].items()}
         self.optimizer.load_state_dict(optim)
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.load_scheduler(state["scheduler"])
 
     def full_state_dict(self):
         """Whole tensors on every rank (an all-gather per parameter: every rank calls it)."""

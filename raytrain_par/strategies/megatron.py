@@ -554,7 +554,7 @@ class MegatronEngine(Engine):
             state["optimizer"] = sliced_optimizer_state(state["optimizer"], self.optimizer)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.load_scheduler(state["scheduler"])
 
     def _resplit(self, shards: list[dict]) -> dict:
         first = shards[0]

@@ -163,5 +163,5 @@ class MegatronPipelineEngine(PipelineEngine):
         check_split(state, self.pipe)
         self.pipe.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.load_scheduler(state["scheduler"])
         self.rng.state = state["rng"].cpu()

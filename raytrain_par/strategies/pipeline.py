@@ -360,7 +360,7 @@ class PipelineEngine(Engine):
         check_split(state, self.pipe)
         self.pipe.load_state_dict(state["model"])
         self.optimizer.load_state_dict(sliced_optimizer_state(state["optimizer"], self.optimizer))
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.load_scheduler(state["scheduler"])
 
     def full_state_dict(self):
         return self.pipe.full_state_dict()

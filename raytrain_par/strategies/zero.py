@@ -419,7 +419,7 @@ class ZeroEngine(Engine):
         self._load_common(state)
 
     def _load_common(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.load_scheduler(state["scheduler"])
         for k, v in state["engine"].items():
             setattr(self.module, k, v)
 
