@@ -1,5 +1,6 @@
-"""`raytrain-par estimate` for the pipeline engines (pipeline, pipedream, megatron with stages): each
-pipeline rank's model states and saved activations against what the engines measure, in gloo groups."""
+"""`raytrain-par estimate` for the pipeline engines (pipeline, pipedream, megatron with stages, pipeline
+with FSDP-sharded stages): each pipeline rank's model states and saved activations against what the
+engines measure, in gloo groups."""
 
 import pytest
 
@@ -26,8 +27,10 @@ def _cases(workers: int, strategies: list[dict]) -> list[dict]:
 
 TWO = _cases(2, [{"name": "pipeline", "schedule": "gpipe", "microbatches": 4},
                  {"name": "pipeline", "schedule": "1f1b", "microbatches": 4},
-                 {"name": "pipedream"}])
-FOUR = _cases(4, [{"name": "megatron", "tensor_parallel": 2, "stages": 2, "microbatches": 2}])
+                 {"name": "pipedream"},
+                 {"name": "pipeline", "schedule": "interleaved-1f1b", "microbatches": 4}])
+FOUR = _cases(4, [{"name": "megatron", "tensor_parallel": 2, "stages": 2, "microbatches": 2},
+                  {"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}])
 
 
 def _second_step_memory(rank, world, cases):

@@ -149,8 +149,8 @@ def peak_bytes(device: torch.device) -> int:
 class SavedActivations:
     """Activation memory as autograd holds it: the bytes of tensors saved for backward that are alive
     now, and the most a step added to what was alive when it began (`step()` starts a step).
-    Parameters saved for backward (a weight kept for a matmul's gradient) are not activations and are
-    left out. Use `with tracker.track(parameters):` around the forward passes; each storage counts once
+    Parameters saved for backward (a weight kept for a matmul's gradient, also as FSDP gathers it) are
+    not activations and are left out. Use `with tracker.track(parameters):` around the forward passes; each storage counts once
     however many saved tensors view it, and leaves the count when the last of them is released (after
     its backward, or when the graph is dropped)."""
 
@@ -187,7 +187,7 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
-        if key in self._exclude or nbytes == 0 or t.device.type == "meta":
+        if key in self._exclude or nbytes == 0 or t.device.type == "meta" or _is_parameter(t):
             return t
         entry = self._live.get(key)
         if entry is None:
@@ -204,6 +204,12 @@ class SavedActivations:
         if entry[1] == 0:
             del self._live[key]
             self.now -= entry[0]
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a transposed weight), that `track` was not given: FSDP's
+    unsharded parameters, gathered for the forward pass into storage of their own."""
+    return isinstance(t._base if t._base is not None else t, torch.nn.Parameter)
 
 
 class _Saved:
