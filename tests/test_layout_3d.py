@@ -1,11 +1,15 @@
 """The parallel layout (strategies/layout.py) and megatron's tensor x pipeline x data layout against one
 process, in gloo groups."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
-from engines import experiment, exported_val_loss, through_ray, train_steps
-from raytrain_par import config
+from engines import experiment, exported_val_loss, loop, through_ray, train_steps
+from raytrain_par import config, estimate
+from raytrain_par.data.shards import DatasetInfo
 from raytrain_par.errors import ConfigError
 from raytrain_par.local_group import run_ranks
 from raytrain_par.strategies.layout import Layout
@@ -55,7 +59,7 @@ def test_every_strategy_states_its_layout(strategy, workers, want):
     (three_d(), 6, "scaling.num_workers", "tensor_parallel x stages = 2 x 2"),
     (three_d(stages=5), 10, "strategy.stages", "has 4 layers"),
     (three_d(microbatches=3), 8, "strategy.microbatches", "does not divide the 8 rows"),
-    (three_d(data_parallel_sharding="fsdp"), 8, "strategy.data_parallel_sharding", "supported layouts"),
+    (three_d(data_parallel_sharding="hsdp"), 8, "strategy.data_parallel_sharding", "supported layouts"),
     ({"name": "megatron", "tensor_parallel": 2, "data_parallel_sharding": "zero-1"}, 4,
      "strategy.data_parallel_sharding", "ZeRO is a strategy of its own"),
     ({"name": "megatron", "tensor_parallel": 2, "microbatches": 4}, 2, "strategy.stages", "arrange pipeline stages"),
@@ -109,10 +113,43 @@ def test_tensor_by_pipeline_matches_one_process(kjv, reference):
     assert half == pytest.approx(fp32, rel=3e-2) and half != fp32
 
 
-def test_tensor_by_pipeline_by_data_matches_one_process(kjv, reference):
-    """Megatron-LM's 3D: T2 x P2 x D2 on 8 ranks, with accumulation and clipping."""
+def test_tensor_by_pipeline_by_data_matches_one_process(kjv, reference, tmp_path):
+    """Megatron-LM's 3D, T2 x P2 x D2 on 8 ranks, with the replicas holding whole shards (none) and with
+    each stage's shard split over its 2 replicas by FSDP2 (fsdp), with accumulation and clipping: the
+    losses and the gathered model of one process; under fsdp each rank holds half its stage's shard."""
     spec = experiment(data=KJV, strategy=three_d(), workers=8, steps=STEPS, **CLIP)
-    _check(run_ranks(8, _run, [(spec, kjv, STEPS)]), reference)
+    sharded = experiment(data=KJV, strategy=three_d(data_parallel_sharding="fsdp"), workers=8, steps=STEPS, **CLIP)
+    ranks = run_ranks(8, _run_and_resume, [(spec, kjv, STEPS), (sharded, kjv, STEPS)], sharded, kjv,
+                      str(tmp_path))
+    _check([r[0][:1] for r in ranks], reference)
+    _check([r[0][1:] for r in ranks], reference)
+    whole, half = ranks[0][0][0]["memory"]["mem_param_bytes"], ranks[0][0][1]["memory"]["mem_param_bytes"]
+    assert half == pytest.approx(whole / 2, rel=0.02)
+    info = DatasetInfo.from_json(kjv)
+    for i, case in enumerate((spec, sharded)):  # each rank's model states as `raytrain-par estimate` predicts them
+        layout, predicted = config.from_dict(case).layout, estimate.pipeline_ranks(config.from_dict(case), info)
+        for rank, (cases, _) in enumerate(ranks):
+            want = predicted[layout.coordinates(rank).pipeline].states.expected
+            assert cases[i]["memory"]["mem_model_state_census_bytes"] == pytest.approx(want, rel=0.15), (i, rank)
+    straight, resumed = ranks[0][1]
+    assert [r["step"] for r in resumed] == [3, 4]
+    for was, now in zip(straight[2:], resumed):
+        assert (now["train_loss"], now["val_loss"]) == pytest.approx((was["train_loss"], was["val_loss"]), rel=1e-6)
+
+
+def _run_and_resume(rank, world, cases, spec, info, tmp):
+    """The cases, then `spec` through the worker's loop for 4 steps with a checkpoint every 2 (gathered
+    from the replicas' slices), and again from its step-2 checkpoint (sliced again on load)."""
+    spec = {**spec, "train": {**spec["train"], "max_steps": 4, "eval_every_steps": 1, "checkpoint_every_evals": 2,
+                              "eval_at_start": False}, "data": {**spec["data"], "max_val_samples": 16}}
+    straight = loop(spec, info, Path(tmp) / "straight")
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.copytree(Path(tmp) / "straight", Path(tmp) / "resumed")
+        shutil.rmtree(sorted((Path(tmp) / "resumed").glob("checkpoint_*"))[-1])
+    torch.distributed.barrier()
+    resumed = loop(spec, info, Path(tmp) / "resumed", resume=True)
+    return _run(rank, world, cases), (straight, resumed)
 
 
 def test_pipeline_by_sharded_data_matches_one_process(kjv, reference):

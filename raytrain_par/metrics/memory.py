@@ -150,9 +150,9 @@ class SavedActivations:
     """Activation memory as autograd holds it: the bytes of tensors saved for backward that are alive
     now, and the most a step added to what was alive when it began (`step()` starts a step).
     Parameters saved for backward (a weight kept for a matmul's gradient, also as FSDP gathers it) are
-    not activations and are left out. Use `with tracker.track(parameters):` around the forward passes; each storage counts once
-    however many saved tensors view it, and leaves the count when the last of them is released (after
-    its backward, or when the graph is dropped)."""
+    not activations and are left out. Use `with tracker.track(parameters):` around the forward passes;
+    each storage counts once however many saved tensors view it, and leaves the count when the last of
+    them is released (after its backward, or when the graph is dropped)."""
 
     def __init__(self):
         self.now = 0

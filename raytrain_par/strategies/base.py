@@ -17,7 +17,7 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -96,6 +96,14 @@ def lr_factor(train, total_steps: int):
         return train.min_lr_ratio + (1 - train.min_lr_ratio) * (1 - progress)
 
     return factor
+
+
+def padded(batches: list, passes: int) -> Iterator[tuple[dict, bool]]:
+    """(batch, counted) for `passes` forward passes: `batches`, then its last one again, not counted.
+    A sharded engine's forward pass gathers parameters from every data-parallel rank, so each rank
+    makes as many as the one with the most validation batches (`Engine._eval_passes`)."""
+    for i in range(passes):
+        yield batches[min(i, len(batches) - 1)], i < len(batches)
 
 
 def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
@@ -229,11 +237,10 @@ class Engine(ABC):
         module.eval()
         batches = list(batches)
         sums = torch.zeros(3, device=self.device, dtype=torch.float64)
-        for i in range(self._eval_passes(len(batches))):
+        for batch, counted in padded(batches, self._eval_passes(len(batches))):
             with self.autocast():
-                # Passes beyond this rank's own batches repeat its first one and are not counted.
-                part = self.eval_sums(module, batches[min(i, len(batches) - 1)]).double()
-            if i < len(batches):
+                part = self.eval_sums(module, batch).double()
+            if counted:
                 sums += part
         module.train()
         sums = self.dp_sum(sums)

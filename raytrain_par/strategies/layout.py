@@ -129,7 +129,7 @@ def place(layout: Layout, rank: int, world_size: int, device_type: str) -> Place
 
 # Which strategy composes which dimensions; ZeRO is DeepSpeed's own data parallel and composes with none.
 SUPPORTED = ("ddp, zero-1/2/3, fsdp: data parallel only; megatron: tensor x data (data_parallel_sharding none "
-             "or fsdp) and tensor x pipeline x data with stages (none); pipeline: pipeline x data (none or fsdp); "
+             "or fsdp) and tensor x pipeline x data with stages (none or fsdp); pipeline: pipeline x data (none or fsdp); "
              "pipedream: pipeline x data (none)")
 
 

@@ -100,7 +100,7 @@ class Options:
         from .pipeline import Options as PipelineOptions
 
         return PipelineOptions(stages=self.stages, schedule=self.schedule, microbatches=self.microbatches,
-                               split_points=self.split_points)
+                               split_points=self.split_points, data_parallel_sharding=self.data_parallel_sharding)
 
     def validate(self, spec, error) -> None:
         t, p = self.tensor_parallel, self.stages
@@ -108,8 +108,7 @@ class Options:
             error("strategy.tensor_parallel", t, "must be >= 1", "use e.g. 2")
         if p < 1:
             error("strategy.stages", p, "must be >= 1", "use 1 (no pipeline), or e.g. 2")
-        check_sharding(self.data_parallel_sharding, ("none", "fsdp") if p == 1 else ("none",),
-                       "strategy.data_parallel_sharding", error)
+        check_sharding(self.data_parallel_sharding, ("none", "fsdp"), "strategy.data_parallel_sharding", error)
         if self.bucket_cap_mb <= 0:
             error("strategy.bucket_cap_mb", self.bucket_cap_mb, "must be > 0", "use e.g. 25 (PyTorch's default)")
         m = spec.model

@@ -13,16 +13,21 @@ The parallelisms are applied to the plain model in one fixed order, as torchtita
    on the pipeline group of this rank's data and tensor coordinates; the token embedding tied to the
    LM head is untied across stages as there, its copies' gradients summed per tensor rank;
 3. data parallel: each stage's gradients averaged over its D replicas by an explicit all-reduce (as
-   the pipeline engine does; DDP fails around torch's schedules).
+   the pipeline engine does; DDP fails around torch's schedules), or, with `data_parallel_sharding:
+   fsdp`, each stage's tensor-parallel shard split once more over its D replicas by FSDP2 (every layer
+   a unit, then the stage; the pipeline engine's `shard`): parameters, gradients and optimizer state
+   / (T x D) per worker, all-gathered for each step and reduce-scattered after its last backward pass.
 
 The last stage's loss is the vocabulary-parallel cross-entropy of megatron, so no rank holds the full
 logits. Gradient clipping takes the norm of the whole model's gradient with every parameter counted
 once: split parameters' squares summed over the tensor group, replicated ones (layer norms, position
 embeddings, row-parallel biases; identical on the T ranks) once, the untied copy of the embedding
-not at all, then summed over the pipeline.
+not at all, then summed over the pipeline (and, under fsdp, over the replicas' slices).
 
 Checkpoints: the first data-parallel replica's P x T ranks each write their stages' shard under the
-plain model's names; a run resumes with the same stages and tensor_parallel (any number of replicas).
+plain model's names (under fsdp gathered whole from the replicas' slices first, so the files do not
+depend on the sharding); a run resumes with the same stages and tensor_parallel (any number of
+replicas, sharded or not).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from torch import nn
 
 from .. import models
 from . import tensor_parallel as tp_ops
-from .base import load_tensors
+from .base import load_tensors, local_tensor, sliced_optimizer_state, whole_optimizer_state
 from .megatron import TP_RNG_OFFSET, gather_shards, local_logits, padding_of, split_lm, vocab_parallel_sums
 from .pipeline import PipelineEngine, check_split
 from .tensor_parallel import TPGroup
@@ -119,8 +124,8 @@ class MegatronPipelineEngine(PipelineEngine):
         """[squares of the split parameters' gradients, of the replicated ones'] on this rank, each
         parameter once over the pipeline (the untied copy of the embedding left out)."""
         counted = [p for p in self.pipe.counted() if p.grad is not None]
-        split = [p.grad for p in counted if self.names[id(p)] in self.splits]
-        replicated = [p.grad for p in counted if self.names[id(p)] not in self.splits]
+        split = [local_tensor(p.grad) for p in counted if self.names[id(p)] in self.splits]
+        replicated = [local_tensor(p.grad) for p in counted if self.names[id(p)] not in self.splits]
         zero = torch.zeros((), device=self.device)
         return torch.stack([torch.nn.utils.get_total_norm(g).pow(2).to(zero) if g else zero
                             for g in (split, replicated)])
@@ -129,9 +134,12 @@ class MegatronPipelineEngine(PipelineEngine):
         """One norm over tensor, pipeline and data dimensions, each parameter once (module docstring)."""
         squares = self.grad_squares()
         total = self.tp.all_reduce(squares[:1].clone()) + squares[1:]
+        if self.pipe.sharded:  # each replica holds a slice of every gradient
+            dist.all_reduce(total, group=self.pipe.dp_group)
         dist.all_reduce(total, group=self.pipe.pp_group)
         norm = total.sqrt().reshape(())
-        torch.nn.utils.clip_grads_with_norm_(self.pipe.parameters(), max_norm, norm)
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s, on local slices
+        torch._foreach_mul_([local_tensor(p.grad) for p in self.pipe.parameters() if p.grad is not None], coefficient)
         return norm
 
     # -- state ------------------------------------------------------------------------------------
@@ -146,10 +154,10 @@ class MegatronPipelineEngine(PipelineEngine):
         return Path(directory) / f"megatron-pp{p}-tp{t}-of-{self.layout.pipeline}x{self.layout.tensor}.pt"
 
     def save(self, directory: Path) -> None:
+        model, optimizer = self.pipe.state_dict(), whole_optimizer_state(self.optimizer)  # every replica: gathers
         if self.dp_rank == 0:
-            torch.save({"split": self.pipe.split, "stages": self.pipe.S, "model": self.pipe.state_dict(),
-                        "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "rng": self.rng.state}, self._file(directory))
+            torch.save({"split": self.pipe.split, "stages": self.pipe.S, "model": model, "optimizer": optimizer,
+                        "scheduler": self.scheduler.state_dict(), "rng": self.rng.state}, self._file(directory))
 
     def load(self, directory: Path) -> None:
         path = self._file(directory)
@@ -162,6 +170,6 @@ class MegatronPipelineEngine(PipelineEngine):
         state = load_tensors(path, self.device)
         check_split(state, self.pipe)
         self.pipe.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(sliced_optimizer_state(state["optimizer"], self.optimizer))
         self.load_scheduler(state["scheduler"])
         self.rng.state = state["rng"].cpu()

@@ -302,10 +302,12 @@ class PipelineEngine(Engine):
         # averaged over the replicas (once tied copies are summed).
         own = (lambda: self._local_sq.add_(self.grad_squares())) if self.measures_noise else None  # noqa: E731
         pipe.reduce_grads(local=own)
+        norm = self.clip_grads(self.train.grad_clip) if self.train.grad_clip else None  # the norm before clipping
         if self.measures_noise:
-            self.note_noise(task.samples_of(batch), self.grad_squares(), copies=self.dp_size)
-        if self.train.grad_clip:
-            self.clip_grads(self.train.grad_clip)
+            if norm is None:
+                self.note_noise(task.samples_of(batch), self.grad_squares(), copies=self.dp_size)
+            else:
+                self.note_noise(task.samples_of(batch), norm ** 2)
         self.optimizer_step()
         return pipe.from_last(total)
 

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import models
-from .base import DTYPES, local_tensor, slice_like, whole_tensor
+from .base import DTYPES, local_tensor, padded, slice_like, whole_tensor
 from .layout import Placement
 
 # -- options shared by the pipeline engines -----------------------------------------------------
@@ -375,16 +375,13 @@ class Pipeline:
         """[loss sum, predictions, correct] over `batches`, run forward through the stages; the last
         stage's sums on every rank of the pipeline. Written by hand rather than with a torch schedule:
         validation batches vary in size, and torch's schedules fix microbatch shapes at their first step.
-        `passes` beyond the batches repeat the first one, not counted: sharded stages gather their
-        weights from every replica in each forward pass, so each replica makes as many as the one with
-        the most batches."""
+        `passes`: as many forward passes as the replica with the most batches makes (sharded stages,
+        see base.padded)."""
         group, batches = group or self.pp_group, list(batches)
         sums = torch.zeros(3, device=self.device, dtype=torch.float64)
         for module in self.modules.values():
             module.eval()
-        for i in range(len(batches) if passes is None else passes):
-            batch = batches[min(i, len(batches) - 1)]
-            counted = i < len(batches)
+        for batch, counted in padded(batches, len(batches) if passes is None else passes):
             prepared = task.prepare(batch, self.device)
             rows = task.samples_of(batch)
             x = None
