@@ -7,8 +7,20 @@ shards), the same global batch, worker count, threads per worker, precision and 
 zero-N engine builds), and are timed over the same window: the `--steps` steps after `--warmup`
 steps. Ours is read from the run's records (`wall_time_s` counts training steps only: evaluations
 and reports between them are outside it); theirs is the script's own clock over the same steps.
-Rounds alternate which side goes first, so that both see the same machine load; the ratio of the
-medians is the overhead (target: at most 1.05 for every strategy).
+Rounds alternate which side goes first; each round's two runs follow each other, so they see the same
+machine, and the overhead of a strategy is the median over rounds of each round's ratio (ours / plain:
+on a shared machine the speed drifts by more than the effect between rounds, much less within one).
+Target: at most 1.05 for every strategy.
+
+Beside it, each strategy's engine step against the plain script's step in one process group
+(`--in-process-rounds`): both models built in the same ranks, blocks of `--warmup` steps of each in
+turn, our engine measuring model states on the last step of each block as the training loop does
+before an evaluation. That ratio is raytrain-par's own code, with Ray and the launcher out of it.
+
+Then, with `--cpu-seconds` > 0, one more run of the first strategy on each side is sampled from /proc:
+the CPU every process on the machine used over a window of training, grouped by what it is. On a
+machine whose cores all train (2 workers on 2 cores), what Ray's own processes use is taken from the
+workers, and it is what separates the two sides.
 
     python benchmarks/overhead.py                              # ddp, zero-1, zero-2, zero-3, fsdp
     python benchmarks/overhead.py --strategies ddp --rounds 5
@@ -20,21 +32,27 @@ Prints a table and a verdict, writes benchmarks/results/overhead.json and docs/o
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from common import markdown_table, print_table, write_json, write_page
 
-from raytrain_par import data, models
+from raytrain_par import config, data, models, strategies
 from raytrain_par.models import gpt2
 from raytrain_par.config import load_experiment
+from raytrain_par.data.loader import MemoryLoader
+from raytrain_par.data.shards import DatasetInfo, read_split
 from raytrain_par.driver import run_experiment, start_local_cluster, worker_env
-from raytrain_par.local_group import free_port
+from raytrain_par.local_group import free_port, run_ranks
+from raytrain_par.strategies import DistContext
 
 HERE = Path(__file__).resolve().parent
 TARGET = 1.05
@@ -49,14 +67,14 @@ def our_step_time(spec, warmup: int, steps: int) -> float:
     return (at[warmup + steps] - at[warmup]) / steps
 
 
-def plain_command(spec, strategy: str, info, work: Path, a) -> list[str]:
+def plain_args(spec, strategy: str, info, work: Path, workers: int, warmup: int, steps: int) -> list[str]:
+    """benchmarks/torchrun_plain.py's arguments for the same training as `spec` under `strategy`."""
     sizes = gpt2.sizes(spec.model.name, spec.model.options)
     t = spec.train
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={a.workers}",
-           f"--master_port={free_port()}", str(HERE / "torchrun_plain.py"), "--strategy", strategy,
+    cmd = ["--strategy", strategy,
            "--data", info.train_path, "--seq-len", str(info.seq_len), "--vocab", str(info.vocab_size),
            "--n-layer", str(sizes["n_layer"]), "--n-embd", str(sizes["n_embd"]), "--n-head", str(sizes["n_head"]),
-           "--batch", str(t.global_batch_size), "--warmup", str(a.warmup), "--steps", str(a.steps),
+           "--batch", str(t.global_batch_size), "--warmup", str(warmup), "--steps", str(steps),
            "--lr", str(t.lr), "--betas", *map(str, t.betas), "--eps", str(t.eps), "--precision", t.precision]
     o = spec.strategy.options
     if strategy == "ddp":
@@ -67,12 +85,18 @@ def plain_command(spec, strategy: str, info, work: Path, a) -> list[str]:
         from raytrain_par.strategies.zero import deepspeed_config, merged
 
         model, _ = models.build_on_meta(spec.model, info)
-        ds = merged(deepspeed_config(int(strategy[-1]), o, t, t.global_batch_size, a.workers,
+        ds = merged(deepspeed_config(int(strategy[-1]), o, t, t.global_batch_size, workers,
                                      models.parameter_count(model), "cpu"), o.deepspeed)
         path = work / f"{strategy}.json"
         path.write_text(json.dumps(ds))
         cmd += ["--deepspeed-config", str(path)]
     return cmd
+
+
+def plain_command(spec, strategy: str, info, work: Path, a) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={a.workers}",
+            f"--master_port={free_port()}", str(HERE / "torchrun_plain.py"),
+            *plain_args(spec, strategy, info, work, a.workers, a.warmup, a.steps)]
 
 
 def plain_step_time(cmd: list[str], out: Path, threads: str, env: dict) -> float:
@@ -82,14 +106,115 @@ def plain_step_time(cmd: list[str], out: Path, threads: str, env: dict) -> float
     return json.loads(out.read_text())["step_time_s"]
 
 
+# -- our engine against the plain step, in one process group ---------------------------------------
+
+def _interleaved_rank(rank: int, world: int, spec_dict: dict, info_dict: dict, plain_args: list[str], rounds: int,
+                      block: int) -> dict[str, list[float]]:
+    """Seconds per step of our engine and of the plain script's step, in blocks taken in turn (the
+    first of a round alternating), after a block of each to warm up."""
+    import torch
+    import torch.distributed as dist
+
+    import torchrun_plain
+
+    _, plain_step = torchrun_plain.build(torchrun_plain.parser().parse_args(plain_args))
+    spec, info = config.from_dict(spec_dict), DatasetInfo.from_json(info_dict)
+    arrays = read_split(info, info.train_path)
+    model, task = models.build(spec.model, info, spec.train.seed)
+    engine = strategies.build_engine(spec.strategy, model, task, spec.train, DistContext.current(torch.device("cpu")),
+                                     total_steps=(rounds + 1) * block)
+    del model
+    loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
+    batches = (b for epoch in range(10**6) for b in loader.epoch(epoch))
+
+    def ours(i):
+        engine.measure_memory = i == block - 1  # as the loop measures the step before an evaluation
+        return engine.train_step(next(batches))
+
+    sides = {"ours": ours, "plain": lambda i: plain_step(next(batches)["tokens"])}
+    times = {name: [] for name in sides}
+    for r in range(rounds + 1):
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(block):
+                loss = sides[name](i)
+            float(loss)
+            dist.barrier()
+            if r > 0:  # the first round warms both up
+                times[name].append((time.perf_counter() - t0) / block)
+    return times
+
+
+def in_process_ratios(spec, info, work: Path, workers: int, rounds: int, block: int) -> dict:
+    os.environ.update(worker_env(spec))  # the ranks' environment, as Ray's workers and torchrun's ranks get it
+    args = [*plain_args(spec, spec.strategy.name, info, work, workers, block, rounds * block), "--out", "-"]
+    times = run_ranks(workers, _interleaved_rank, spec.to_dict(), info.to_json(), args, rounds, block,
+                      threads=max(1, int(spec.scaling.cpus_per_worker)), fresh=True)[0]
+    ratios = [o / q for o, q in zip(times["ours"], times["plain"])]
+    return {"ours_s": times["ours"], "plain_s": times["plain"], "round_ratios": ratios, "ratio": statistics.median(ratios)}
+
+
+# -- where the machine's CPU goes while a side trains ----------------------------------------------
+
+def _process_kind(cmdline: str, name: str) -> str:
+    """A process by what it is: Ray's own processes by their role, training ranks, the rest."""
+    if cmdline.startswith("ray::"):
+        role = cmdline.split()[0][5:]
+        return "training workers (Ray Train)" if role == "RayTrainWorker" else f"Ray: {role}"
+    for marker, kind in (("torchrun_plain.py", "training ranks (torchrun)"), ("torch.distributed.run", "torchrun launcher"),
+                         ("gcs_server", "Ray: GCS"), ("raylet", "Ray: raylet"), ("dashboard", "Ray: dashboard"),
+                         ("log_monitor", "Ray: log monitor"), ("monitor.py", "Ray: autoscaler monitor"),
+                         ("runtime_env", "Ray: runtime env agent"), ("overhead.py", "this benchmark (Ray driver)")):
+        if marker in cmdline:
+            return kind
+    return f"other: {name}"
+
+
+def _cpu_by_process() -> dict[str, tuple[str, float]]:
+    """pid -> (kind, CPU seconds so far), for every process readable in /proc."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[pid] = (_process_kind(cmdline, name), (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_while(run, started, seconds: float) -> dict[str, float]:
+    """Run `run()` in a thread; once `started()` is true, the CPU each kind of process used over the
+    next `seconds` (as a share of one core), by /proc deltas."""
+    worker = threading.Thread(target=run)
+    worker.start()
+    while not started() and worker.is_alive():
+        time.sleep(0.2)
+    before, t0 = _cpu_by_process(), time.perf_counter()
+    time.sleep(seconds)
+    after, wall = _cpu_by_process(), time.perf_counter() - t0
+    worker.join()
+    share = collections.Counter()
+    for pid, (kind, used) in after.items():
+        if pid in before:
+            share[kind] += (used - before[pid][1]) / wall
+    return dict(share)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experiment", default=str(HERE.parent / "experiments" / "quickstart.yaml"))
     p.add_argument("--strategies", default=",".join(BASELINES))
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=30, help="timed steps (a multiple of --warmup)")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--in-process-rounds", type=int, default=8,
+                   help="rounds of the engine-against-plain-step comparison in one process group (0: none)")
+    p.add_argument("--cpu-seconds", type=float, default=20.0,
+                   help="window of the CPU-by-process sample of each side (0: no sample)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="experiment override")
     p.add_argument("--out", help="JSON file (default benchmarks/results/overhead.json)")
     p.add_argument("--page", help="Markdown page (default docs/overhead.md)")
@@ -128,20 +253,62 @@ def main() -> None:
                 run()
             print(f"{s} round {r + 1}/{a.rounds}: raytrain-par under Ray {ours[-1]:.4f} s/step, "
                   f"plain {BASELINES[s]} under torchrun {plain[-1]:.4f} s/step", flush=True)
-        ratio = statistics.median(ours) / statistics.median(plain)
-        results[s] = {"ours_s": ours, "plain_s": plain, "ratio": ratio, "met": ratio <= TARGET}
+        ratios = [o / q for o, q in zip(ours, plain)]
+        ratio = statistics.median(ratios)
+        results[s] = {"ours_s": ours, "plain_s": plain, "round_ratios": ratios, "ratio": ratio, "met": ratio <= TARGET}
+        if a.in_process_rounds:
+            inside = results[s]["in_process"] = in_process_ratios(specs[s], info, work, a.workers, a.in_process_rounds,
+                                                                  a.warmup)
+            print(f"{s} in one process group: our engine / the plain step {inside['ratio']:.3f} "
+                  f"(rounds {' '.join(f'{x:.3f}' for x in inside['round_ratios'])})", flush=True)
 
-    head = ["strategy", "plain baseline", "ours s/step", "plain s/step", "ratio", f"<= {TARGET}",
-            "rounds ours", "rounds plain"]
+    head = ["strategy", "plain baseline", "ours s/step", "plain s/step", "ratio", f"<= {TARGET}", "round ratios",
+            "engine / plain step, one group"]
     rows = [[s, BASELINES[s], f"{statistics.median(r['ours_s']):.4f}", f"{statistics.median(r['plain_s']):.4f}",
-             f"{r['ratio']:.3f}", "met" if r["met"] else "NOT met", " ".join(f"{x:.4f}" for x in r["ours_s"]),
-             " ".join(f"{x:.4f}" for x in r["plain_s"])] for s, r in results.items()]
+             f"{r['ratio']:.3f}", "met" if r["met"] else "NOT met", " ".join(f"{x:.3f}" for x in r["round_ratios"]),
+             f"{r['in_process']['ratio']:.3f}" if "in_process" in r else "-"]
+            for s, r in results.items()]
     print()
     print_table(head, rows)
     missed = [s for s, r in results.items() if not r["met"]]
     verdict = (f"every ratio at most {TARGET}: met" if not missed
                else f"ratio above {TARGET} for {', '.join(missed)}: NOT met")
-    print(f"\noverhead (ours / plain, median of {a.rounds} rounds): {verdict}")
+    print(f"\noverhead (ours / plain, median of {a.rounds} rounds' ratios): {verdict}")
+
+    cpu, cpu_text = {}, ""
+    if a.cpu_seconds > 0:
+        s = names[0]
+        spec = specs[s]
+        metrics, t_start = Path(spec.results_dir) / "metrics.parquet", time.time()
+        # from the run's first record (the end of its warm-up steps) on
+        cpu["ours"] = cpu_while(lambda: our_step_time(spec, a.warmup, a.steps),
+                                lambda: metrics.exists() and metrics.stat().st_mtime > t_start, a.cpu_seconds)
+        # the plain script writes nothing before it ends: from 10 s after its start on (its set-up done)
+        t_start = time.time()
+        cpu["plain"] = cpu_while(lambda: plain_step_time(plain_command(spec, s, info, work, a), work / f"{s}-cpu.json",
+                                                         threads, env),
+                                 lambda: time.time() - t_start > 10, a.cpu_seconds)
+        kinds = sorted(set(cpu["ours"]) | set(cpu["plain"]), key=lambda k: -max(cpu["ours"].get(k, 0), cpu["plain"].get(k, 0)))
+        kinds = [k for k in kinds if max(cpu["ours"].get(k, 0), cpu["plain"].get(k, 0)) >= 0.005]
+        cpu_rows = [[k, f"{cpu['ours'].get(k, 0):.3f}", f"{cpu['plain'].get(k, 0):.3f}"] for k in kinds]
+        cpu_rows.append(["all", f"{sum(cpu['ours'].values()):.3f}", f"{sum(cpu['plain'].values()):.3f}"])
+        cpu_head = ["process", "ours: cores", "plain: cores"]
+        print(f"\nCPU by process over {a.cpu_seconds:g} s of training ({s}; cores of {os.cpu_count()}):")
+        print_table(cpu_head, cpu_rows)
+        training = {"ours": cpu["ours"].get("training workers (Ray Train)", 0.0),
+                    "plain": cpu["plain"].get("training ranks (torchrun)", 0.0)}
+        ray_own = {side: sum(v for k, v in cpu[side].items() if k.startswith("Ray: ")) for side in cpu}
+        cpu_text = f"""
+## Where the machine's CPU goes
+
+One more run of {s} on each side, sampled from `/proc` over {a.cpu_seconds:g} s of its training: the
+cores each kind of process used, on a machine of {os.cpu_count()} cores. The training processes got
+{training['ours']:.2f} cores under Ray and {training['plain']:.2f} under torchrun; Ray's own processes
+used {ray_own['ours']:.2f} cores while our run trained and {ray_own['plain']:.2f} while the plain script
+did (the cluster stays up beside it, idle).
+
+{markdown_table(cpu_head, cpu_rows)}
+"""
     t = first.train
     setup = (f"{first.model.name} ({models.parameter_count(models.build_on_meta(first.model, info)[0]) / 1e6:.1f}M "
              f"parameters), {a.workers} workers x {threads} thread(s), global batch {t.global_batch_size} of "
@@ -149,17 +316,21 @@ def main() -> None:
              f"{a.rounds} rounds in alternating order")
     payload = {"experiment": first.name, "model": first.model.name, "workers": a.workers, "threads": threads,
                "global_batch_size": t.global_batch_size, "precision": t.precision, "steps": a.steps,
-               "warmup": a.warmup, "rounds": a.rounds, "target": TARGET, "results": results, "verdict": verdict}
+               "warmup": a.warmup, "rounds": a.rounds, "target": TARGET, "results": results, "verdict": verdict,
+               "cpu_cores_by_process": cpu}
     print(f"written {write_json('overhead', payload, a.out)}")
     page = write_page("overhead", "Overhead against the plain libraries", f"""
 Seconds per training step of raytrain-par's engines under Ray Train against plain scripts of the
 same library under `torchrun` ([benchmarks/torchrun_plain.py](../benchmarks/torchrun_plain.py)): {setup}.
-The ratio is ours over plain, of the medians; the target is at most {TARGET} for every strategy.
+Each round runs both sides one after the other (alternating which goes first); the ratio is the median
+over rounds of each round's ours / plain. The target is at most {TARGET} for every strategy. The last
+column takes Ray and torchrun out: our engine's step against the plain script's step in the same
+process group, {a.in_process_rounds} rounds of {a.warmup} steps each, the median of the rounds' ratios.
 
 {markdown_table(head, rows)}
 
 **Verdict: {verdict}.**
-""", a.page)
+{cpu_text}""", a.page)
     print(f"written {page}")
 
 

@@ -29,7 +29,6 @@ from common import markdown_table, print_table, write_json, write_page
 
 from raytrain_par.config import load_experiment
 from raytrain_par.driver import ray_cluster
-from raytrain_par.metrics.records import read_records
 from raytrain_par.report import _predicted_vs_measured
 from raytrain_par.sweep import describe, plan
 from raytrain_par.tuning import run_sweep

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp", "zero-1", "zero-2", "zero-3"])
     for name, typ in [("data", str), ("seq-len", int), ("vocab", int), ("n-layer", int), ("n-embd", int),
@@ -39,15 +39,18 @@ def main():
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--deepspeed-config", help="JSON file: the DeepSpeed config (zero-N)")
-    a = p.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return p
 
+
+def read_tokens(a) -> torch.Tensor:
     rows = [np.frombuffer(b"".join(pq.read_table(f).column("tokens").to_pylist()), dtype=np.int32)
             for f in sorted(glob.glob(os.path.join(a.data, "*.parquet")))]
-    tokens = torch.from_numpy(np.concatenate(rows).reshape(-1, a.seq_len + 1).copy())
+    return torch.from_numpy(np.concatenate(rows).reshape(-1, a.seq_len + 1).copy())
 
+
+def build(a):
+    """The model, wrapped as the strategy's library wraps it, and `step(batch)`: one optimizer step on
+    this rank's rows of token ids [b, seq_len + 1]; returns the loss, detached."""
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=a.vocab, n_positions=a.seq_len, n_layer=a.n_layer, n_embd=a.n_embd,
                         n_head=a.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
@@ -83,12 +86,9 @@ def main():
                                                 dist_init_required=False)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=tuple(a.betas), eps=a.eps, weight_decay=0.0)
-    local = a.batch // world
-    perm = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))
 
-    def step(i):
-        idx = perm[i * a.batch + rank * local: i * a.batch + (rank + 1) * local]
-        batch = tokens[idx].long()
+    def step(batch):
+        batch = batch.long()
         with autocast():
             logits = model(input_ids=batch[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
@@ -100,6 +100,22 @@ def main():
             opt.step()
             opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+    return model, step
+
+
+def main():
+    a = parser().parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    tokens = read_tokens(a)
+    model, train_step = build(a)
+    local = a.batch // world
+    perm = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))
+
+    def step(i):
+        return train_step(tokens[perm[i * a.batch + rank * local: i * a.batch + (rank + 1) * local]])
 
     for i in range(a.warmup):
         step(i)

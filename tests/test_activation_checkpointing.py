@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engines import experiment
-from raytrain_par import config, data, estimate, models, strategies
+from raytrain_par import config, estimate, models, strategies
 from raytrain_par.data.loader import MemoryLoader
 from raytrain_par.data.shards import DatasetInfo, read_split
 from raytrain_par.errors import ConfigError

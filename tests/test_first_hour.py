@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO
@@ -31,15 +32,19 @@ def readme_commands() -> list[str]:
     return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
 
 
+#: what a run command of the README is kept to (a later --set wins over an earlier one)
+SHORT = ["train.max_steps=4", "data.max_val_samples=64"]
+
+
 def shortened(command: str) -> str:
-    """A run kept to a few steps (a later --set wins over an earlier one)."""
+    """A run kept to a few steps; the resume goes on for two more."""
     if command.startswith("raytrain-par run"):
-        steps = 6 if "--resume" in command else 4
-        return f"{command} --set train.max_steps={steps} --set data.max_val_samples=64"
+        keys = [*SHORT, "train.max_steps=6"] if "--resume" in command else SHORT
+        return command + "".join(f" --set {k}" for k in keys)
     return command
 
 
-def test_readme_commands_work_as_typed_and_the_console_is_quiet(tmp_path, ray_cluster):
+def test_readme_commands_work_as_typed_and_the_console_is_quiet(tmp_path, ray_cluster, info):
     # The suite's shared cluster runs beside the commands' own clusters: the console stays quiet also
     # with a second Ray cluster on the machine (Ray Train's placement-group cleaner once found the wrong one).
     (tmp_path / "experiments").symlink_to(REPO / "experiments")
@@ -54,8 +59,41 @@ def test_readme_commands_work_as_typed_and_the_console_is_quiet(tmp_path, ray_cl
                               text=True, timeout=600)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         outputs[command] = proc.stdout + proc.stderr
+        if command == commands[0]:  # read before the next run moves these results aside
+            quickstart = pq.read_table(tmp_path / "results" / "quickstart" / "metrics.parquet")
     assert (tmp_path / "gpt2-quickstart" / "config.json").exists()  # the export line
     console = outputs[commands[0]].splitlines()
     unexpected = [line for line in console if not any(re.search(p, line) for p in allowed)]
     assert not unexpected, "\n".join(unexpected)
     assert sum("[quickstart/run] step" in line for line in console) == 2  # steps 0 and 4
+    _check_quickstart_records(quickstart, info)
+
+
+def _check_quickstart_records(table, info):
+    """The quickstart's 2 ddp workers through Ray: the interval's training loss is the mean of one
+    process's losses on the same global batches (with the same warm-up and schedule), validation
+    improves, and the records hold what a user reads."""
+    from engines import train_steps
+    from raytrain_par.config import load_experiment
+    from raytrain_par.local_group import run_ranks
+    from raytrain_par.metrics.records import COLUMNS
+
+    records = table.to_pylist()
+    assert [r["step"] for r in records] == [0, 4]
+    assert records[-1]["val_loss"] < records[0]["val_loss"]
+    one = load_experiment(REPO / "experiments" / "quickstart.yaml", [*SHORT, "scaling.num_workers=1"])
+    data = info("kjv", seq_len=one.data.seq_len, vocab_size=one.data.vocab_size)
+    losses = run_ranks(1, train_steps, one.to_dict(), data, 4)[0]["losses"]
+    assert records[-1]["train_loss"] == pytest.approx(sum(losses) / 4, rel=1e-5)
+
+    assert set(COLUMNS) <= set(table.column_names)
+    last = records[-1]
+    assert last["strategy"] == "ddp" and last["num_workers"] == 2 and last["samples_seen"] == 4 * 32
+    assert len(last["mem_peak_bytes_per_worker"]) == 2
+    assert last["mem_model_state_bytes"] > 0 and last["mem_peak_bytes"] > last["mem_model_state_bytes"]
+    assert 0 < last["wall_time_s"] <= last["elapsed_s"]
+    assert last["throughput"] > 0
+    # hardware efficiency: per-worker figures, the record holding the largest
+    assert len(last["mfu_per_worker"]) == 2 and last["mfu"] == max(last["mfu_per_worker"])
+    assert 0 < last["mfu"] <= 1 and last["model_flops_per_step"] > 0 and last["peak_source"].startswith("matmul probe")
+    assert 0 < last["comm_fraction"] < 1  # two workers all-reduce gradients; some of it is exposed

@@ -1,6 +1,6 @@
 """`data: {name: text}`: the user's txt / JSONL / Parquet files, a BPE trained on them or the user's own
-tokenizer, batch-wise preparation, the cache, every bad input refused with field and fix, and two
-short runs through Ray."""
+tokenizer, batch-wise preparation, the cache, every bad input refused with field and fix, and a
+WikiText-103 directory streamed through Ray."""
 
 import json
 import os
@@ -15,7 +15,7 @@ from raytrain_par import config, data
 from raytrain_par.config import DataSpec
 from raytrain_par.data import documents, shards, text
 from raytrain_par.data.shards import read_split
-from raytrain_par.errors import ConfigError, DataUnavailable
+from raytrain_par.errors import DataUnavailable
 
 QUIET = dict(log=lambda *_: None)
 WORDS = "the quick brown fox jumps over the lazy dog while a cat sleeps in the warm sun".split()
@@ -206,18 +206,37 @@ def test_experiment_with_a_bad_corpus_fails_on_load(tmp_path):
 # -- through Ray --------------------------------------------------------------------------------
 
 @pytest.mark.ray
-def test_jsonl_and_parquet_corpora_train_through_ray(ray_cluster, tmp_path):
-    from raytrain_par.driver import run_experiment
+def test_wikitext_directory_streams_through_ray_joining_a_running_cluster(ray_cluster, tmp_path):
+    """A WikiText-103-format directory (articles under title lines, wiki.train / wiki.valid), streamed
+    to the workers by Ray Data (the preset's loader), trained by `raytrain-par run --address HOST:PORT`
+    joining the suite's running cluster as the README's command joins a head: it says so, starts no
+    cluster of its own, and the run learns."""
+    import subprocess
+    import sys
 
-    docs = sentences(1500)
-    for fmt, loader in (("jsonl", "stream"), ("parquet", "memory")):
-        spec = config.parse({
-            "name": f"own-{fmt}", "output_dir": str(tmp_path / "results"),
-            "model": {"name": "gpt2-tiny"}, "scaling": {"num_workers": 2},
-            "data": {"name": "text", "path": write_corpus(tmp_path / fmt, fmt, docs), "seq_len": 16, "vocab_size": 300,
-                     "loader": loader, "cache_dir": str(tmp_path / "cache"), "max_val_samples": 64},
-            "train": {"global_batch_size": 16, "max_steps": 4, "eval_every_steps": 4, "lr": 3e-3},
-        })
-        records = run_experiment(spec, log=lambda *_: None).records
-        assert [r["step"] for r in records] == [0, 4], fmt
-        assert records[-1]["val_loss"] < records[0]["val_loss"], fmt
+    import yaml
+
+    from raytrain_par.metrics.records import read_records
+
+    article = " = {title} = \n\n {body} \n"
+    for split, docs in (("train", sentences(1500)), ("valid", sentences(100, seed=1))):
+        (tmp_path / f"wiki.{split}.tokens").write_text(
+            "".join(article.format(title=f"Article {i}", body=d) for i, d in enumerate(docs)))
+    experiment = tmp_path / "wikitext.yaml"
+    experiment.write_text(yaml.safe_dump({
+        "name": "wikitext", "output_dir": str(tmp_path / "results"), "model": {"name": "gpt2-tiny"},
+        "scaling": {"num_workers": 2},
+        "data": {"name": "wikitext-103", "path": str(tmp_path), "seq_len": 16, "vocab_size": 300,
+                 "cache_dir": str(tmp_path / "cache"), "max_val_samples": 64},
+        "train": {"global_batch_size": 16, "max_steps": 4, "eval_every_steps": 4, "lr": 3e-3}}))
+    assert config.load_experiment(experiment).data.effective_loader == "stream"
+    head = ray_cluster.get_runtime_context().gcs_address
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "raytrain-par"), "run", str(experiment),
+                           "--address", head], env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"joining the Ray cluster at {head}" in out and "starting an embedded Ray cluster" not in out
+    records = read_records(tmp_path / "results" / "wikitext" / "metrics.parquet")
+    assert [r["step"] for r in records] == [0, 4]
+    assert records[-1]["val_loss"] < records[0]["val_loss"]
