@@ -264,12 +264,19 @@ class GoodputSearcher(Searcher):
     """Trains a plan's points fastest-predicted first, and finishes once no untried point is predicted
     to reach the target sooner than the best trial measured so far.
 
-    Predictions are scaled by how far off they were for the trials measured so far (the median of
-    measured / predicted time to target): a model that is uniformly optimistic or pessimistic (evaluation
-    pauses, a slower cluster than the probes saw) does not decide alone when to stop. `min_trials` points
-    are trained whatever the predictions say, so the leader is measured against at least one other;
-    `margin` (a fraction) also trains points predicted up to that much slower than the best measured.
-    Points that do not fit in device memory, or whose time cannot be predicted, are never trained.
+    A prediction is steps to target x seconds per step, and each factor is corrected by what the
+    trials measured so far, separately, since they go wrong for different reasons:
+    - seconds per step by the median of measured / predicted over every trial that trained: the probes
+      time every point, so what is left is uniform (a busier or slower cluster than the probes saw);
+    - steps to target by the median of measured / predicted over the trials of the same global batch
+      that reached the target, and not at all for a batch no trial has reached it with: the noise
+      scale's model of steps against batch size is what errs, and by how much depends on the batch
+      (on a 2-core machine it was 1.5x optimistic at batch 8 and right at batch 16).
+    So the search trains at most one point per batch size whose correction it does not know yet.
+    `min_trials` points are trained whatever the predictions say, so the leader is measured against at
+    least one other; `margin` (a fraction) also trains points predicted up to that much slower than the
+    best measured. Points that do not fit in device memory, or whose time cannot be predicted, are never
+    trained.
 
     Ray Tune has no searcher that ranks a fixed grid by a model and stops early (its model-based ones
     sample a space and need many trials to learn it), hence this one.
@@ -298,32 +305,59 @@ class GoodputSearcher(Searcher):
     def best(self) -> float | None:
         return min(self.times().values(), default=None)
 
-    def calibration(self) -> float:
-        ratios = [t / self.rows[i]["predicted_time_to_target_s"] for i, t in self.times().items()
-                  if self.rows[i]["predicted_time_to_target_s"] > 0]
+    def step_time_factor(self) -> float:
+        """Median of measured / predicted seconds per step over the trials that trained (1 before any)."""
+        ratios = []
+        for i, records in self.records.items():
+            trained = [r for r in records if r.get("step")]
+            if trained and self.rows[i].get("predicted_step_time_s"):
+                last = max(trained, key=lambda r: r["step"])
+                ratios.append(last["wall_time_s"] / last["step"] / self.rows[i]["predicted_step_time_s"])
         return statistics.median(ratios) if ratios else 1.0
+
+    def steps_factor(self, batch) -> float:
+        """Median of measured / predicted steps to target over the trials of global batch `batch` that
+        reached it (1 where none did: the model's own prediction)."""
+        ratios = []
+        for i in self.times():
+            row = self.rows[i]
+            steps = crossing(self.records[i], self.metric, self.target, self.mode, "step")
+            if row.get("global_batch_size") == batch and steps and row.get("predicted_steps_to_target"):
+                ratios.append(steps / row["predicted_steps_to_target"])
+        return statistics.median(ratios) if ratios else 1.0
+
+    def corrected(self, row: dict) -> float:
+        """The row's predicted time to target, both factors corrected by what was measured so far."""
+        steps, step_s = row.get("predicted_steps_to_target"), row.get("predicted_step_time_s")
+        if not (_finite(steps) and _finite(step_s)):
+            return row["predicted_time_to_target_s"]
+        return steps * self.steps_factor(row.get("global_batch_size")) * step_s * self.step_time_factor()
 
     def could_win(self, row: dict) -> bool:
         best = self.best()
         if best is None:  # nothing has reached the target: the next point once the running ones end
             return not self.running
-        return row["predicted_time_to_target_s"] * self.calibration() < best * (1 + self.margin)
+        return self.corrected(row) < best * (1 + self.margin)
 
     def suggest(self, trial_id: str):
         started = len(self.measured) + len(self.running)
-        if self.queue and (started < self.min_trials or self.could_win(self.queue[0])):
-            row = self.queue.pop(0)
+        # the fastest-predicted point that may still win: corrections differ by batch size, so one that
+        # cannot win does not rule out the points after it
+        pick = 0 if self.queue and started < self.min_trials else next(
+            (k for k, row in enumerate(self.queue) if self.could_win(row)), None)
+        if pick is not None:
+            row = self.queue.pop(pick)
             self.rows[trial_id], self.records[trial_id] = row, []
             self.running.add(trial_id)
             self.log(f"goodput search: training {row['trial']} (predicted rank {row['rank']}, "
-                     f"{row['predicted_time_to_target_s']:.1f} s to target)")
+                     f"{row['predicted_time_to_target_s']:.1f} s to target, {self.corrected(row):.1f} s corrected)")
             return {"point": json.loads(row["overrides"])}
         if self.running:
             return None  # what the running trials measure decides whether another is worth training
         if self.queue:
             self.log(f"goodput search: done; the {len(self.queue)} point(s) left are predicted slower than "
-                     f"{self.best():.1f} s (predictions scaled by {self.calibration():.2f}, the median of measured / "
-                     "predicted so far)")
+                     f"{self.best():.1f} s (seconds per step corrected by {self.step_time_factor():.2f}, steps to "
+                     "target by what each batch size measured)")
         return Searcher.FINISHED
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:

@@ -138,17 +138,22 @@ def test_cli_plan_refuses_before_a_cluster_starts(override, words, monkeypatch, 
     assert not (tmp_path / "results").exists()
 
 
-def _rows(*times, fits=True):
-    return [{"trial": f"p{i}", "overrides": json.dumps({"train.global_batch_size": 8 * (i + 1)}), "rank": i + 1,
-             "predicted_time_to_target_s": t, "fits": fits} for i, t in enumerate(times)]
+def _rows(*points, fits=True):
+    """Plan rows of (predicted seconds to target, global batch) points, in predicted order: that many
+    predicted steps at a predicted second each."""
+    return [{"trial": f"p{i}", "overrides": json.dumps({"train.global_batch_size": batch, "train.seed": i}),
+             "rank": i + 1, "global_batch_size": batch, "predicted_time_to_target_s": t,
+             "predicted_steps_to_target": t, "predicted_step_time_s": 1.0, "fits": fits}
+            for i, (t, batch) in enumerate(points)]
 
 
-def _reach(searcher, trial_id, wall_s, every=5.0):
-    """Evaluations of one trial every `every` seconds whose loss crosses 3.0 at `wall_s`."""
+def _reach(searcher, trial_id, steps, step_s=1.0, every=5):
+    """Evaluations of one trial every `every` steps (`step_s` seconds each) whose loss crosses 3.0 at
+    step `steps`."""
     t = every
     while True:
-        loss = 3.0 - (t - wall_s) / every * 0.5
-        searcher.on_trial_result(trial_id, {"step": int(t), "wall_time_s": t, "val_loss": loss})
+        loss = 3.0 - (t - steps) / every * 0.5
+        searcher.on_trial_result(trial_id, {"step": t, "wall_time_s": t * step_s, "val_loss": loss})
         if loss <= 3.0:
             return
         t += every
@@ -159,42 +164,64 @@ def test_the_searcher_trains_in_predicted_order_and_stops_once_the_leader_is_con
 
     from raytrain_par.goodput import GoodputSearcher, GoodputStopper
 
-    rows = _rows(10.0, 12.0, 30.0, 40.0) + [{**_rows(5.0)[0], "trial": "too-big", "fits": False}]
+    rows = _rows((10.0, 8), (12.0, 16), (30.0, 8), (40.0, 32)) + [{**_rows((5.0, 8))[0], "trial": "too-big", "fits": False}]
     s = GoodputSearcher(rows, "val_loss", "min", 3.0, min_trials=2, log=lambda *_: None)
     stop = GoodputStopper(s)
-    assert s.suggest("t1") == {"point": {"train.global_batch_size": 8}}  # the leader; the 5 s one does not fit
-    assert s.suggest("t2") == {"point": {"train.global_batch_size": 16}}  # min_trials: the runner-up too
+    assert s.suggest("t1")["point"]["train.global_batch_size"] == 8  # the leader; the 5 s one does not fit
+    assert s.suggest("t2")["point"]["train.global_batch_size"] == 16  # min_trials: the runner-up too
     assert s.suggest("t3") is None  # nothing measured yet to decide on: wait
-    _reach(s, "t1", 20.0)
+    _reach(s, "t1", 20)
     s.on_trial_complete("t1")
-    assert s.best() == pytest.approx(20.0) and s.calibration() == pytest.approx(2.0)
+    assert s.best() == pytest.approx(20.0)
+    assert s.steps_factor(8) == pytest.approx(2.0) and s.steps_factor(32) == 1.0 and s.step_time_factor() == 1.0
     # t2 has trained longer than the best time to target without reaching it: it cannot win
     assert not stop("t2", {"wall_time_s": 15.0}) and stop("t2", {"wall_time_s": 25.0})
     assert s.stopped == {"t2"}
     s.on_trial_complete("t2")
-    # the next point is predicted at 30 s x 2 (predictions were half the measured) > 20 s: done
+    # batch 8 takes twice the predicted steps: 30 x 2 > 20; batch 32 is unmeasured: 40 > 20. Done.
     assert s.suggest("t3") == Searcher.FINISHED
 
 
-def test_a_faster_runner_up_and_a_margin_keep_the_search_going():
+def test_each_batch_size_is_corrected_by_its_own_trials():
+    """The predictions of batch 8 were 1.5x optimistic; that says nothing of batch 16's, whose leader is
+    trained and wins (a correction shared by every batch would have stopped before it)."""
     from ray.tune.search import Searcher
 
     from raytrain_par.goodput import GoodputSearcher
 
-    s = GoodputSearcher(_rows(10.0, 12.0, 13.0, 40.0), "val_loss", "min", 3.0, min_trials=1, margin=0.5,
+    s = GoodputSearcher(_rows((10.0, 8), (11.0, 8), (14.0, 16), (20.0, 16)), "val_loss", "min", 3.0, min_trials=2,
                         log=lambda *_: None)
-    s.suggest("t1")
-    _reach(s, "t1", 10.0)
-    s.on_trial_complete("t1")
-    # calibration 1: 12 < 10 x 1.5 and 13 < 15 are worth training; 40 is not
-    assert s.suggest("t2")["point"] == {"train.global_batch_size": 16}
-    _reach(s, "t2", 8.0)  # faster than predicted: the best is now 8 s, calibration (1 + 8/12) / 2
-    s.on_trial_complete("t2")
-    assert s.best() == pytest.approx(8.0) and s.calibration() == pytest.approx((1 + 8 / 12) / 2)
-    assert s.suggest("t3")["point"] == {"train.global_batch_size": 24}  # 13 x 0.83 = 10.8 < 12
-    _reach(s, "t3", 30.0)
+    for trial, steps in (("t1", 15), ("t2", 16.5)):
+        assert s.suggest(trial)["point"]["train.global_batch_size"] == 8
+        _reach(s, trial, steps)
+        s.on_trial_complete(trial)
+    assert s.best() == pytest.approx(15.0) and s.steps_factor(8) == pytest.approx(1.5)
+    assert s.suggest("t3")["point"]["train.global_batch_size"] == 16  # 14 < 15
+    _reach(s, "t3", 13)
     s.on_trial_complete("t3")
-    assert s.suggest("t4") == Searcher.FINISHED  # 40 x 1 > 8 x 1.5
+    assert s.steps_factor(16) == pytest.approx(13 / 14)
+    assert s.suggest("t4") == Searcher.FINISHED  # 20 x 13/14 > 13
+
+
+def test_slower_steps_than_probed_correct_every_point_and_a_margin_keeps_the_search_going():
+    from ray.tune.search import Searcher
+
+    from raytrain_par.goodput import GoodputSearcher
+
+    s = GoodputSearcher(_rows((10.0, 8), (12.0, 16), (13.0, 24), (30.0, 32)), "val_loss", "min", 3.0, min_trials=1,
+                        margin=0.5, log=lambda *_: None)
+    s.suggest("t1")
+    _reach(s, "t1", 10, step_s=2.0)  # the predicted steps, each twice as long as the probe said
+    s.on_trial_complete("t1")
+    assert s.best() == pytest.approx(20.0) and s.step_time_factor() == pytest.approx(2.0)
+    # 12 x 2 = 24 < 20 x 1.5 and 13 x 2 = 26 < 30 are worth training; 30 x 2 is not
+    assert s.suggest("t2")["point"]["train.global_batch_size"] == 16
+    _reach(s, "t2", 12, step_s=2.0)
+    s.on_trial_complete("t2")
+    assert s.suggest("t3")["point"]["train.global_batch_size"] == 24
+    _reach(s, "t3", 13, step_s=2.0)
+    s.on_trial_complete("t3")
+    assert s.suggest("t4") == Searcher.FINISHED
 
 
 @pytest.mark.parametrize("sweep,field,words", [
