@@ -22,7 +22,8 @@ what each worker holds:
 Model states do not depend on the batch, so `--set` can shrink it where compute is scarce (CPUs
 without native bf16 run bf16 matrix products an order of magnitude slower than fp32).
 
-Prints a Markdown table and writes the rows as JSON.
+Prints a Markdown table, writes the rows as JSON and the table with what it shows into a docs page
+(docs/memory-<precisions>.md unless --page says otherwise).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import write_json  # noqa: E402
+from common import write_json, write_page  # noqa: E402
 from raytrain_par import config, data, models, strategies  # noqa: E402
 from raytrain_par.data.loader import MemoryLoader  # noqa: E402
 from raytrain_par.data.shards import DatasetInfo, read_split  # noqa: E402
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="steps per measurement (>= 2: optimizer state exists "
                    "from the second on)")
     p.add_argument("--out", help="JSON file (default: benchmarks/results/memory.json)")
+    p.add_argument("--page", help="Markdown page (default: docs/memory-<precisions>.md)")
     args = p.parse_args(argv)
 
     spec = config.load_experiment(args.experiment, args.overrides)
@@ -138,7 +140,34 @@ def main(argv=None) -> int:
     print(table(rows))
     out = write_json("memory", {"experiment": spec.to_dict(), "rows": rows}, args.out)
     print(f"\n{len(rows)} rows in {out}")
+    page = write_page(f"memory-{'-'.join(precisions)}", f"Model states per worker, measured ({', '.join(precisions)})",
+                      page_body(spec, rows, args.steps, args.experiment), args.page)
+    print(f"written {page}")
     return 0
+
+
+def page_body(spec, rows: list[dict], steps: int, experiment: str) -> str:
+    """The page's text: what was trained, the table, and what it says at the largest worker count."""
+    t = spec.train
+    path = Path(experiment).resolve()
+    shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    lines = [f"Every strategy of `{shown}` trained {steps} steps in a fresh gloo process group: "
+             f"{spec.model.name} ({rows[0]['num_params'] / 1e6:.1f}M parameters), AdamW, a global batch of "
+             f"{t.global_batch_size} rows of {spec.data.seq_len} tokens; the largest worker's model-state bytes per "
+             "parameter, as the allocator counts them (see [memory.md](memory.md)), beside the theory and what "
+             "the implementation holds by design.", "", table(rows), ""]
+    for precision in dict.fromkeys(r["precision"] for r in rows):
+        mine = [r for r in rows if r["precision"] == precision]
+        most = max(r["workers"] for r in mine)
+        cuts = [f"{r['strategy']} {1 - r['vs_ddp']:.0%} less" for r in mine
+                if r["workers"] == most and r["strategy"] != "ddp" and r["vs_ddp"] is not None]
+        met = sum(r["meets_target"] for r in mine)
+        lines.append(f"- {precision}: on {most} workers, against ddp: {', '.join(cuts) or 'no ddp row'}. "
+                     f"{met} of {len(mine)} rows within 10% of their theory or of what the implementation holds "
+                     "by design.")
+    lines.append("\nStep times on a machine whose cores the workers share say little about speed; the step-time "
+                 "column is there to show that a strategy ran, not how fast it is on a cluster.")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:

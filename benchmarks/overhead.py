@@ -5,8 +5,10 @@ Both sides train the same model (the experiment's GPT-2), the same shapes of dat
 shards), the same global batch, worker count, threads per worker, precision and optimizer settings
 (AdamW, no weight decay, no clipping, constant learning rate; the DeepSpeed config is the one our
 zero-N engine builds), and are timed over the same window: the `--steps` steps after `--warmup`
-steps. Ours is read from the run's records (`wall_time_s` counts training steps only: evaluations
-and reports between them are outside it); theirs is the script's own clock over the same steps.
+steps, in blocks of `--warmup` steps. Ours is read from the run's records, one every `--warmup`
+steps (each interval's time counts its training steps only: the evaluation and report between two
+are outside it); theirs is the script's own clock around each block. Each side's seconds per step
+is the median of its blocks: a burst of the machine's other work slows one block, not the figure.
 Rounds alternate which side goes first; each round's two runs follow each other, so they see the same
 machine, and the overhead of a strategy is the median over rounds of each round's ratio (ours / plain:
 on a shared machine the speed drifts by more than the effect between rounds, much less within one).
@@ -61,10 +63,10 @@ BASELINES = {"ddp": "torch DDP", "zero-1": "DeepSpeed ZeRO-1", "zero-2": "DeepSp
 
 
 def our_step_time(spec, warmup: int, steps: int) -> float:
-    """Mean step time over steps warmup+1 .. warmup+steps, from the run's records."""
+    """Seconds per step over steps warmup+1 .. warmup+steps: the median of the run's evaluation
+    intervals there (records every `warmup` steps; each interval's time counts its steps only)."""
     records = run_experiment(spec, log=lambda *_: None).records
-    at = {r["step"]: r["wall_time_s"] for r in records}
-    return (at[warmup + steps] - at[warmup]) / steps
+    return statistics.median(r["step_time_s"] for r in records if warmup < r["step"] <= warmup + steps)
 
 
 def plain_args(spec, strategy: str, info, work: Path, workers: int, warmup: int, steps: int) -> list[str]:
@@ -74,7 +76,7 @@ def plain_args(spec, strategy: str, info, work: Path, workers: int, warmup: int,
     cmd = ["--strategy", strategy,
            "--data", info.train_path, "--seq-len", str(info.seq_len), "--vocab", str(info.vocab_size),
            "--n-layer", str(sizes["n_layer"]), "--n-embd", str(sizes["n_embd"]), "--n-head", str(sizes["n_head"]),
-           "--batch", str(t.global_batch_size), "--warmup", str(warmup), "--steps", str(steps),
+           "--batch", str(t.global_batch_size), "--warmup", str(warmup), "--steps", str(steps), "--block", str(warmup),
            "--lr", str(t.lr), "--betas", *map(str, t.betas), "--eps", str(t.eps), "--precision", t.precision]
     o = spec.strategy.options
     if strategy == "ddp":
@@ -103,7 +105,7 @@ def plain_step_time(cmd: list[str], out: Path, threads: str, env: dict) -> float
     cmd = [*cmd, "--out", str(out)]
     subprocess.run(cmd, check=True, env={**os.environ, **env, "OMP_NUM_THREADS": threads},
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads(out.read_text())["step_time_s"]
+    return statistics.median(json.loads(out.read_text())["block_times_s"])
 
 
 # -- our engine against the plain step, in one process group ---------------------------------------
@@ -207,7 +209,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experiment", default=str(HERE.parent / "experiments" / "quickstart.yaml"))
     p.add_argument("--strategies", default=",".join(BASELINES))
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=30, help="timed steps (a multiple of --warmup)")
     p.add_argument("--workers", type=int, default=2)

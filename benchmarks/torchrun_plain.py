@@ -8,7 +8,7 @@ the timed loop.
     --strategy zero-N  deepspeed.initialize with the DeepSpeed config given in --deepspeed-config
 
     torchrun --nproc_per_node 2 benchmarks/torchrun_plain.py --strategy ddp --data DIR --seq-len 128 \
-        --vocab 8192 --n-layer 2 --n-embd 128 --n-head 4 --batch 32 --warmup 5 --steps 30 --out result.json
+        --vocab 8192 --n-layer 2 --n-embd 128 --n-head 4 --batch 32 --warmup 5 --steps 30 --block 5 --out result.json
 """
 
 import argparse
@@ -39,6 +39,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--deepspeed-config", help="JSON file: the DeepSpeed config (zero-N)")
+    p.add_argument("--block", type=int, default=None, help="time the steps in blocks of this many (default: --steps)")
     return p
 
 
@@ -120,14 +121,20 @@ def main():
     for i in range(a.warmup):
         step(i)
     dist.barrier()
-    t0 = time.perf_counter()
+    block, blocks = a.block or a.steps, []
+    t0 = start = time.perf_counter()
     for i in range(a.warmup, a.warmup + a.steps):
         loss = step(i)
+        if (i - a.warmup + 1) % block == 0:
+            loss.item()  # the block's last step is done
+            blocks.append((time.perf_counter() - t0) / block)
+            t0 = time.perf_counter()
     loss.item()
-    elapsed = time.perf_counter() - t0
+    elapsed = time.perf_counter() - start
     if rank == 0:
         with open(a.out, "w") as f:
-            json.dump({"step_time_s": elapsed / a.steps, "steps": a.steps, "loss": float(loss)}, f)
+            json.dump({"step_time_s": elapsed / a.steps, "block_times_s": blocks, "steps": a.steps,
+                       "loss": float(loss)}, f)
     dist.destroy_process_group()
 
 

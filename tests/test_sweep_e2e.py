@@ -1,4 +1,4 @@
-"""A sweep through Ray Tune on the session's shared cluster, stopped early by ASHA."""
+"""Sweeps through Ray Tune on the session's shared cluster: one stopped early by ASHA, one searched by Optuna."""
 
 import json
 import time
@@ -41,3 +41,25 @@ def test_asha_stops_a_poor_trial_and_frees_its_resources(ray_cluster, tmp_path):
         time.sleep(1)
     assert left == []
 
+
+
+def test_optuna_draws_each_trials_learning_rate_from_the_range_and_the_trial_trains_with_it(ray_cluster, tmp_path):
+    """Optuna's searcher through Ray Tune (random sampling runs in the ASHA test above): every trial's
+    learning rate comes from the sweep's range, and the trial trains with the value drawn."""
+    low, high = 1e-4, 1e-2
+    f = tmp_path / "optuna.yaml"
+    f.write_text(yaml.safe_dump({
+        "name": "optuna", "model": {"name": "gpt2-tiny"}, "data": {"name": "kjv", "max_val_samples": 16},
+        "scaling": {"num_workers": 1},
+        "train": {"global_batch_size": 8, "max_steps": 2, "eval_every_steps": 1, "lr": 1e-3, "warmup_steps": 0,
+                  "lr_schedule": "constant", "checkpoint_every_evals": 0},
+        "output_dir": str(tmp_path),
+        "sweep": {"random": {"train.lr": {"min": low, "max": high, "log": True}}, "search": "optuna",
+                  "num_samples": 2, "max_concurrent_trials": 1}}))
+    result = run_sweep(load_experiment(f), log=lambda *_: None)
+    assert len(result.trials) == 2 and all(t["status"] == "completed" for t in result.trials)
+    lrs = [t["lr"] for t in result.trials]
+    assert len(set(lrs)) == 2 and all(low <= lr <= high for lr in lrs)
+    for t in result.trials:
+        trained = [r["lr"] for r in result.records if r["trial"] == t["trial"] and r["step"] > 0]
+        assert trained and trained == pytest.approx([t["lr"]] * len(trained)), t["trial"]
