@@ -149,10 +149,15 @@ def _interleaved_rank(rank: int, world: int, spec_dict: dict, info_dict: dict, p
 
 
 def in_process_ratios(spec, info, work: Path, workers: int, rounds: int, block: int) -> dict:
-    os.environ.update(worker_env(spec))  # the ranks' environment, as Ray's workers and torchrun's ranks get it
     args = [*plain_args(spec, spec.strategy.name, info, work, workers, block, rounds * block), "--out", "-"]
-    times = run_ranks(workers, _interleaved_rank, spec.to_dict(), info.to_json(), args, rounds, block,
-                      threads=max(1, int(spec.scaling.cpus_per_worker)), fresh=True)[0]
+    saved = dict(os.environ)
+    os.environ.update(worker_env(spec))  # the ranks' environment, as Ray's workers and torchrun's ranks get it
+    try:
+        times = run_ranks(workers, _interleaved_rank, spec.to_dict(), info.to_json(), args, rounds, block,
+                          threads=max(1, int(spec.scaling.cpus_per_worker)), fresh=True)[0]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     ratios = [o / q for o, q in zip(times["ours"], times["plain"])]
     return {"ours_s": times["ours"], "plain_s": times["plain"], "round_ratios": ratios, "ratio": statistics.median(ratios)}
 
@@ -162,7 +167,7 @@ def in_process_ratios(spec, info, work: Path, workers: int, rounds: int, block: 
 def _process_kind(cmdline: str, name: str) -> str:
     """A process by what it is: Ray's own processes by their role, training ranks, the rest."""
     if cmdline.startswith("ray::"):
-        role = cmdline.split()[0][5:]
+        role = cmdline.split()[0][5:].split(".")[0]  # Ray retitles an actor's process with the method it runs
         return "training workers (Ray Train)" if role == "RayTrainWorker" else f"Ray: {role}"
     for marker, kind in (("torchrun_plain.py", "training ranks (torchrun)"), ("torch.distributed.run", "torchrun launcher"),
                          ("gcs_server", "Ray: GCS"), ("raylet", "Ray: raylet"), ("dashboard", "Ray: dashboard"),
@@ -189,19 +194,37 @@ def _cpu_by_process() -> dict[str, tuple[str, float]]:
 
 def cpu_while(run, started, seconds: float) -> dict[str, float]:
     """Run `run()` in a thread; once `started()` is true, the CPU each kind of process used over the
-    next `seconds` (as a share of one core), by /proc deltas."""
-    worker = threading.Thread(target=run)
+    next `seconds` or until `run` returns (as a share of one core), from /proc read twice a second, so
+    that a process that ends within the window keeps what it used until then."""
+    failed = []
+
+    def target():
+        try:
+            run()
+        except BaseException as e:  # noqa: BLE001 - raised again below, in the caller's thread
+            failed.append(e)
+
+    worker = threading.Thread(target=target)
     worker.start()
-    while not started() and worker.is_alive():
+    while worker.is_alive():
+        try:
+            if started():
+                break
+        except OSError:  # what it looks at is being moved or written
+            pass
         time.sleep(0.2)
-    before, t0 = _cpu_by_process(), time.perf_counter()
-    time.sleep(seconds)
-    after, wall = _cpu_by_process(), time.perf_counter() - t0
+    first, t0 = _cpu_by_process(), time.perf_counter()
+    last = dict(first)
+    while worker.is_alive() and time.perf_counter() - t0 < seconds:
+        time.sleep(0.5)
+        last.update(_cpu_by_process())
+    wall = time.perf_counter() - t0
     worker.join()
+    if failed:
+        raise failed[0]
     share = collections.Counter()
-    for pid, (kind, used) in after.items():
-        if pid in before:
-            share[kind] += (used - before[pid][1]) / wall
+    for pid, (kind, used) in last.items():
+        share[kind] += (used - (first[pid][1] if pid in first else 0.0)) / wall  # new ones: all in the window
     return dict(share)
 
 
@@ -284,7 +307,7 @@ def main() -> None:
         metrics, t_start = Path(spec.results_dir) / "metrics.parquet", time.time()
         # from the run's first record (the end of its warm-up steps) on
         cpu["ours"] = cpu_while(lambda: our_step_time(spec, a.warmup, a.steps),
-                                lambda: metrics.exists() and metrics.stat().st_mtime > t_start, a.cpu_seconds)
+                                lambda: metrics.stat().st_mtime > t_start, a.cpu_seconds)
         # the plain script writes nothing before it ends: from 10 s after its start on (its set-up done)
         t_start = time.time()
         cpu["plain"] = cpu_while(lambda: plain_step_time(plain_command(spec, s, info, work, a), work / f"{s}-cpu.json",
@@ -321,13 +344,15 @@ did (the cluster stays up beside it, idle).
                "warmup": a.warmup, "rounds": a.rounds, "target": TARGET, "results": results, "verdict": verdict,
                "cpu_cores_by_process": cpu}
     print(f"written {write_json('overhead', payload, a.out)}")
+    in_process_text = "" if not a.in_process_rounds else f"""
+The last column takes Ray and torchrun out: our engine's step against the plain script's step in the
+same process group, {a.in_process_rounds} rounds of {a.warmup} steps each, the median of the rounds'
+ratios."""
     page = write_page("overhead", "Overhead against the plain libraries", f"""
 Seconds per training step of raytrain-par's engines under Ray Train against plain scripts of the
 same library under `torchrun` ([benchmarks/torchrun_plain.py](../benchmarks/torchrun_plain.py)): {setup}.
 Each round runs both sides one after the other (alternating which goes first); the ratio is the median
-over rounds of each round's ours / plain. The target is at most {TARGET} for every strategy. The last
-column takes Ray and torchrun out: our engine's step against the plain script's step in the same
-process group, {a.in_process_rounds} rounds of {a.warmup} steps each, the median of the rounds' ratios.
+over rounds of each round's ours / plain. The target is at most {TARGET} for every strategy.{in_process_text}
 
 {markdown_table(head, rows)}
 

@@ -272,7 +272,10 @@ class GoodputSearcher(Searcher):
       that reached the target, and not at all for a batch no trial has reached it with: the noise
       scale's model of steps against batch size is what errs, and by how much depends on the batch
       (on a 2-core machine it was 1.5x optimistic at batch 8 and right at batch 16).
-    So the search trains at most one point per batch size whose correction it does not know yet.
+    A trial that ends without reaching the target (the stopper ends trials slower than the best) bounds
+    its batch's correction from below. So the search trains at most one point per batch size whose
+    correction it does not know yet (a second one waits while the first runs), and of the points that
+    may still win it trains the one predicted fastest once corrected.
     `min_trials` points are trained whatever the predictions say, so the leader is measured against at
     least one other; `margin` (a fraction) also trains points predicted up to that much slower than the
     best measured. Points that do not fit in device memory, or whose time cannot be predicted, are never
@@ -317,14 +320,28 @@ class GoodputSearcher(Searcher):
 
     def steps_factor(self, batch) -> float:
         """Median of measured / predicted steps to target over the trials of global batch `batch` that
-        reached it (1 where none did: the model's own prediction)."""
-        ratios = []
-        for i in self.times():
-            row = self.rows[i]
+        reached it (1 where none did: the model's own prediction), and at least what a trial of that
+        batch that ended without reaching it shows: it needed more steps than it trained (a trial the
+        stopper ends never reaches the target, and would otherwise leave its batch uncorrected)."""
+        reached, ended = [], []
+        for i, row in self.rows.items():
+            predicted = row.get("predicted_steps_to_target")
+            if row.get("global_batch_size") != batch or not predicted:
+                continue
             steps = crossing(self.records[i], self.metric, self.target, self.mode, "step")
-            if row.get("global_batch_size") == batch and steps and row.get("predicted_steps_to_target"):
-                ratios.append(steps / row["predicted_steps_to_target"])
-        return statistics.median(ratios) if ratios else 1.0
+            if steps:
+                reached.append(steps / predicted)
+            elif i in self.measured and self.records[i]:  # ended short of the target
+                ended.append(max(r["step"] for r in self.records[i]) / predicted)
+        return max([statistics.median(reached) if reached else 1.0, *ended])
+
+    def _untried_batch_running(self, row: dict) -> bool:
+        """Whether a trial of this row's batch is running while no trial of it has ended or reached the
+        target: its correction is on the way, and a second point of the batch waits for it."""
+        batch = row.get("global_batch_size")
+        same = [i for i, r in self.rows.items() if r.get("global_batch_size") == batch]
+        known = [i for i in same if i in self.measured or i in self.times()]
+        return any(i in self.running for i in same) and not known
 
     def corrected(self, row: dict) -> float:
         """The row's predicted time to target, both factors corrected by what was measured so far."""
@@ -337,14 +354,17 @@ class GoodputSearcher(Searcher):
         best = self.best()
         if best is None:  # nothing has reached the target: the next point once the running ones end
             return not self.running
-        return self.corrected(row) < best * (1 + self.margin)
+        return not self._untried_batch_running(row) and self.corrected(row) < best * (1 + self.margin)
 
     def suggest(self, trial_id: str):
         started = len(self.measured) + len(self.running)
-        # the fastest-predicted point that may still win: corrections differ by batch size, so one that
-        # cannot win does not rule out the points after it
-        pick = 0 if self.queue and started < self.min_trials else next(
-            (k for k, row in enumerate(self.queue) if self.could_win(row)), None)
+        # the point predicted fastest once corrected, of those that may still win: corrections differ by
+        # batch size, so one point that cannot win does not rule out the points after it
+        if self.queue and started < self.min_trials:
+            pick = 0
+        else:
+            winners = [k for k, row in enumerate(self.queue) if self.could_win(row)]
+            pick = min(winners, key=lambda k: self.corrected(self.queue[k])) if winners else None
         if pick is not None:
             row = self.queue.pop(pick)
             self.rows[trial_id], self.records[trial_id] = row, []

@@ -203,6 +203,33 @@ def test_each_batch_size_is_corrected_by_its_own_trials():
     assert s.suggest("t4") == Searcher.FINISHED  # 20 x 13/14 > 13
 
 
+def test_a_point_that_cannot_win_does_not_hide_a_later_one_that_can():
+    """Batch 8 measured 2x its predicted steps, so its next point (predicted 9 s) cannot beat the best
+    (16 s) while batch 16's (predicted 12 s, not yet corrected) can: that one is trained. Once it ends
+    short of the target at step 20, its batch needs at least 20 / 12 of its predicted steps and its
+    last point (13 s) is not trained either."""
+    from ray.tune.search import Searcher
+
+    from raytrain_par.goodput import GoodputSearcher, GoodputStopper
+
+    s = GoodputSearcher(_rows((8.0, 8), (9.0, 8), (12.0, 16), (13.0, 16)), "val_loss", "min", 3.0, min_trials=1,
+                        log=lambda *_: None)
+    stop = GoodputStopper(s)
+    assert s.suggest("t1")["point"]["train.global_batch_size"] == 8
+    _reach(s, "t1", 16)
+    s.on_trial_complete("t1")
+    assert s.steps_factor(8) == pytest.approx(2.0)
+    t2 = s.suggest("t2")["point"]
+    assert t2["train.global_batch_size"] == 16 and t2["train.seed"] == 2  # skipped 9 x 2 = 18 > 16
+    assert s.suggest("t3") is None  # batch 16's second point waits for the first's correction
+    for step in (5, 10, 15, 20):  # never reaches the target; the stopper ends it past the best 16 s
+        s.on_trial_result("t2", {"step": step, "wall_time_s": float(step), "val_loss": 4.0})
+    assert stop("t2", {"wall_time_s": 20.0})
+    s.on_trial_complete("t2")
+    assert s.steps_factor(16) == pytest.approx(20 / 12)
+    assert s.suggest("t3") == Searcher.FINISHED  # 13 x 20/12 > 16, 9 x 2 > 16
+
+
 def test_slower_steps_than_probed_correct_every_point_and_a_margin_keeps_the_search_going():
     from ray.tune.search import Searcher
 

@@ -42,7 +42,6 @@ def test_asha_stops_a_poor_trial_and_frees_its_resources(ray_cluster, tmp_path):
     assert left == []
 
 
-
 def test_optuna_draws_each_trials_learning_rate_from_the_range_and_the_trial_trains_with_it(ray_cluster, tmp_path):
     """Optuna's searcher through Ray Tune (random sampling runs in the ASHA test above): every trial's
     learning rate comes from the sweep's range, and the trial trains with the value drawn."""

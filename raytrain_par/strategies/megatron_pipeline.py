@@ -26,8 +26,8 @@ not at all, then summed over the pipeline (and, under fsdp, over the replicas' s
 
 Checkpoints: the first data-parallel replica's P x T ranks each write their stages' shard under the
 plain model's names (under fsdp gathered whole from the replicas' slices first, so the files do not
-depend on the sharding); a run resumes with the same stages and tensor_parallel (any number of
-replicas, sharded or not).
+depend on the sharding); a run resumes with the same stages, tensor_parallel and
+data_parallel_sharding, on any number of replicas.
 """
 
 from __future__ import annotations
