@@ -2,6 +2,7 @@
 every sweep point, bad input refused before start, and one plan end to end on the shared Ray cluster."""
 
 import json
+import re
 
 import pytest
 import yaml
@@ -281,7 +282,8 @@ def test_a_goodput_search_without_a_target_is_refused_by_check(tmp_path, capsys)
 def test_goodput_search_end_to_end(ray_cluster, tmp_path):
     """`sweep` with search: goodput: the plan (the reference trains to the target measuring the noise
     scale; one probe run times the per-worker batch it did not; every point gets a prediction), then the
-    predicted leader alone is trained (min_trials 1), its measured time beside the prediction."""
+    predicted leader is trained first (min_trials 1), its measured time beside the prediction, and the other
+    point only where its prediction, corrected by what the leader measured, could still beat the leader."""
     from raytrain_par.metrics.records import read_records
     from raytrain_par.report import write_report
     from raytrain_par.tuning import run_sweep
@@ -291,7 +293,8 @@ def test_goodput_search_end_to_end(ray_cluster, tmp_path):
                      "checkpoint_every_evals": 0},
            "target": "val_loss <= 5.4", "sweep": {"grid": {"train.global_batch_size": [8, 16]}, "lr_scaling": "sqrt",
                                                   "search": "goodput", "goodput": {"min_trials": 1}}}
-    result = run_sweep(config.parse(raw), log=print)
+    lines = []
+    result = run_sweep(config.parse(raw), log=lambda m: (lines.append(str(m)), print(m)))
     ref = read_records(tmp_path / "g" / "plan" / "reference" / "metrics.parquet")
     assert ref[-1]["target_met"] and all(r["grad_noise_scale"] > 0 for r in ref if r["step"] > 0)
     rows = read_records(tmp_path / "g" / "plan.parquet")
@@ -311,14 +314,24 @@ def test_goodput_search_end_to_end(ray_cluster, tmp_path):
     assert ref[-2]["step"] < by["b16"]["predicted_steps_to_target"] <= reference_steps
     assert by["b16"]["statistical_efficiency"] == 1.0 < by["b8"]["statistical_efficiency"]
     assert by["b8"]["predicted_steps_to_target"] > by["b16"]["predicted_steps_to_target"]
-    # the leader trained to its target, no further; the other point is in trials.parquet, untrained
+    # the leader trained first, to its target and no further; the other point trained only where its
+    # corrected prediction (both points' seconds per step scale by what the leader's steps took, on this
+    # machine often several times the probe's) is below the leader's measured time, else it is in
+    # trials.parquet, untrained
     trials = {r["trial"].split("-", 1)[-1]: r for r in read_records(tmp_path / "g" / "trials.parquet")}
     leader, other = rows[0]["trial"], rows[1]["trial"]
     assert trials[leader]["target_reached"] and trials[leader]["time_to_target_s"] > 0
     assert trials[leader]["predicted_time_to_target_s"] == pytest.approx(rows[0]["predicted_time_to_target_s"])
     assert trials[leader]["predicted_rank"] == 1 and trials[other]["predicted_rank"] == 2
-    assert trials[other]["status"] == "not trained: predicted slower than the best"
-    assert {r["trial"] for r in result.records} == {trials[leader]["trial"]}
+    started = [m for m in lines if m.startswith("goodput search: training ")]
+    assert started[0].startswith(f"goodput search: training {leader} ")
+    if len(started) == 1:
+        assert trials[other]["status"] == "not trained: predicted slower than the best"
+        assert {r["trial"] for r in result.records} == {trials[leader]["trial"]}
+    else:
+        corrected = float(re.search(r"([0-9.]+) s corrected", started[1]).group(1))
+        assert started[1].startswith(f"goodput search: training {other} ")
+        assert corrected <= round(trials[leader]["time_to_target_s"], 1) and trials[other]["status"] == "completed"
     files = write_report(tmp_path / "g")
     assert (tmp_path / "g" / "predicted_vs_measured.png") in files
     assert "Predicted (`search: goodput`) against measured" in (tmp_path / "g" / "summary.md").read_text()

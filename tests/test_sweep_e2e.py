@@ -14,9 +14,9 @@ pytestmark = pytest.mark.ray
 
 
 def test_asha_stops_a_poor_trial_and_frees_its_resources(ray_cluster, tmp_path):
-    """Three trials one after another; the middle one (a learning rate far too small) falls behind
-    the first at ASHA's first rung and is stopped; its placement group is freed and the third runs.
-    Each grid point also draws its weight decay from a range (the random search's sampling)."""
+    """Two trials one after the other; the second (a learning rate far too small) falls behind the
+    first at ASHA's first rung and is stopped, and its placement group is freed. Each grid point also
+    draws its weight decay from a range (the random search's sampling)."""
     f = tmp_path / "asha.yaml"
     f.write_text(yaml.safe_dump({
         "name": "asha", "model": {"name": "gpt2-tiny"}, "data": {"name": "kjv", "max_val_samples": 16},
@@ -24,16 +24,15 @@ def test_asha_stops_a_poor_trial_and_frees_its_resources(ray_cluster, tmp_path):
         "train": {"global_batch_size": 8, "max_steps": 10, "eval_every_steps": 2, "lr": 3e-3,
                   "checkpoint_every_evals": 0},
         "target": "val_loss <= 5.0", "output_dir": str(tmp_path),
-        "sweep": {"grid": {"train.lr": [3e-3, 1e-7, 2e-3]}, "random": {"train.weight_decay": {"min": 0.0, "max": 0.01}},
+        "sweep": {"grid": {"train.lr": [3e-3, 1e-7]}, "random": {"train.weight_decay": {"min": 0.0, "max": 0.01}},
                   "max_concurrent_trials": 1,
                   "early_stopping": {"grace_period_s": 0.5, "reduction_factor": 2}}}))
     result = run_sweep(load_experiment(f), log=lambda *_: None)
     by_lr = {t["lr"]: t for t in result.trials}
     assert by_lr[1e-7]["status"] == "stopped early" and by_lr[1e-7]["steps"] < 10
     assert by_lr[3e-3]["status"] == "completed" and by_lr[3e-3]["steps"] == 10
-    assert by_lr[2e-3]["evaluations"] >= 2  # the trial after the stopped one still ran
     decays = [json.loads(t["overrides"])["train.weight_decay"] for t in result.trials]
-    assert len(set(decays)) == 3 and all(0.0 <= d <= 0.01 for d in decays)
+    assert len(set(decays)) == 2 and all(0.0 <= d <= 0.01 for d in decays)
     # The stopped trial's workers' placement group is removed (Ray Train's cleaner polls every second).
     deadline = time.time() + 30
     while (left := [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]) \
@@ -54,7 +53,7 @@ def test_optuna_draws_each_trials_learning_rate_from_the_range_and_the_trial_tra
                   "lr_schedule": "constant", "checkpoint_every_evals": 0},
         "output_dir": str(tmp_path),
         "sweep": {"random": {"train.lr": {"min": low, "max": high, "log": True}}, "search": "optuna",
-                  "num_samples": 2, "max_concurrent_trials": 1}}))
+                  "num_samples": 2, "max_concurrent_trials": 2}}))
     result = run_sweep(load_experiment(f), log=lambda *_: None)
     assert len(result.trials) == 2 and all(t["status"] == "completed" for t in result.trials)
     lrs = [t["lr"] for t in result.trials]

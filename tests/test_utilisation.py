@@ -15,8 +15,9 @@ from raytrain_par.worker import LocalReporter, Trainer, memory_train_loader
 
 
 def run_loop(info_dict, tmp_path, monkeypatch, steps=9, every=4):
-    spec = config.from_dict(experiment("gpt2-tiny", "kjv", batch=8, steps=steps, eval_every_steps=every,
-                                       eval_at_start=False))
+    raw = experiment("gpt2-tiny", "kjv", batch=8, steps=steps, eval_every_steps=every, eval_at_start=False)
+    raw["data"]["max_val_samples"] = 64  # what is measured here does not depend on the validation rows
+    spec = config.from_dict(raw)
     info = DatasetInfo.from_json(info_dict)
     measured = []
     original = Engine.model_state
@@ -33,8 +34,16 @@ def run_loop(info_dict, tmp_path, monkeypatch, steps=9, every=4):
     return spec, info, trainer.run(), measured
 
 
-def test_records_carry_model_flops_and_mfu_against_the_probe(info, tmp_path, monkeypatch):
-    spec, data_info, records, _ = run_loop(info("kjv"), tmp_path, monkeypatch)
+@pytest.fixture(scope="module")
+def nine_steps(info, tmp_path_factory):
+    """One process trains 9 steps, evaluating every 4: (spec, data info, records, the steps before
+    each model-state measurement)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return run_loop(info("kjv"), tmp_path_factory.mktemp("loop"), monkeypatch, steps=9, every=4)
+
+
+def test_records_carry_model_flops_and_mfu_against_the_probe(nine_steps):
+    spec, data_info, records, _ = nine_steps
     L, d, T, V = 2, 128, data_info.seq_len, data_info.vocab_size
     per_token = 6 * (12 * L * d * d + V * d) + 12 * L * d * T  # the transformer formula (tests/test_flops.py)
     for r in records:
@@ -47,8 +56,8 @@ def test_records_carry_model_flops_and_mfu_against_the_probe(info, tmp_path, mon
         assert r["comm_fraction"] == 0  # one worker: its profiled step (the fourth) ran no collective
 
 
-def test_model_states_are_measured_on_the_first_steps_and_before_each_evaluation(info, tmp_path, monkeypatch):
-    _, _, records, measured = run_loop(info("kjv"), tmp_path, monkeypatch, steps=9, every=4)
+def test_model_states_are_measured_on_the_first_steps_and_before_each_evaluation(nine_steps):
+    _, _, records, measured = nine_steps
     # Twice per measured step (before and after the optimizer step), on steps 1-3, on the steps that
     # end with an evaluation (4 and 8) and on the last (9); `measured` holds the step count before each.
     assert sorted(set(measured)) == [0, 1, 2, 3, 7, 8]
