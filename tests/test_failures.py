@@ -13,7 +13,7 @@ import torch
 from ray.util.state import list_actors
 
 from conftest import experiment_file
-from engines import experiment
+from engines import experiment, exported_val_loss
 from raytrain_par import checkpoints, config, models, strategies
 from raytrain_par.config import load_experiment
 from raytrain_par.data.loader import MemoryLoader
@@ -77,7 +77,10 @@ def test_resume_skips_a_damaged_checkpoint_and_ends_equal(straight, tmp_path, ca
 
 @pytest.mark.ray
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_killed_worker_is_replaced_and_the_run_ends_equal(straight, tmp_path, strategy):
+def test_killed_worker_is_replaced_and_the_run_ends_equal(straight, tmp_path, strategy, info):
+    """The run ends as the uninterrupted one does, and `raytrain-par export` joins its latest
+    checkpoint (sharded by ZeRO-3, or cut by tensor parallel) into a GPT-2 that transformers loads with
+    every key and that scores the run's last validation loss."""
     override, rel = STRATEGIES[strategy]
     spec = _spec(tmp_path, "train.max_steps=8", "train.max_failures=1", override)
     done = {}
@@ -97,6 +100,9 @@ def test_killed_worker_is_replaced_and_the_run_ends_equal(straight, tmp_path, st
     assert any(r.get("resumed_from_step") is not None for r in result.records)  # it did lose the worker
     assert result.records[-1]["strategy"] == strategy
     _assert_same_end(result.records, straight, rel)
+    kjv = info("kjv", seq_len=spec.data.seq_len, vocab_size=spec.data.vocab_size)
+    exported = exported_val_loss(result.results_dir, kjv, spec.data.max_val_samples)
+    assert exported == pytest.approx(result.records[-1]["val_loss"], abs=1e-5)
 
 
 def _checkpoint(tmp_path, world=2):
