@@ -1,4 +1,4 @@
-"""A pipeline engine end to end through Ray Train (on the session's shared local cluster)."""
+"""The PipeDream engine end to end through Ray Train, in bf16 (on the session's shared local cluster)."""
 
 import pyarrow.parquet as pq
 import pytest
@@ -11,11 +11,17 @@ from raytrain_par.driver import run_experiment
 pytestmark = pytest.mark.ray
 
 
-def test_pipedream_through_ray_records_stages(ray_cluster, tmp_path, info):
+def test_pipedream_in_bf16_through_ray_records_stages(ray_cluster, tmp_path, info):
+    """PipeDream in bf16 through Ray Train: per-stage staleness, stash and bubble in its records, and a
+    checkpoint of fp32 weights (the master copy) that `raytrain-par export` joins (stages, untied
+    embedding and LM head) into a plain GPT-2 scoring the run's validation loss in fp32 within bf16's
+    rounding. The synchronous schedules train through Ray in tests/test_layout_3d.py (1F1B) and
+    tests/test_strategies_ray.py (ZBV); each schedule in bf16 is compared with fp32 in
+    tests/test_pipeline.py."""
     spec = load_experiment(experiment_file("pipeline-staleness.yaml"),
                            [f"output_dir={tmp_path}", "model.n_layer=2", "data.seq_len=32", "data.vocab_size=512",
                             "data.max_val_samples=64", "train.max_steps=12", "train.eval_every_steps=6",
-                            "train.warmup_steps=2"])
+                            "train.warmup_steps=2", "train.precision=bf16"])
     result = run_experiment(spec, log=lambda *_: None)
     assert result.error is None, result.error
     records = pq.read_table(tmp_path / "pipeline-staleness" / "metrics.parquet").to_pylist()
@@ -31,26 +37,5 @@ def test_pipedream_through_ray_records_stages(ray_cluster, tmp_path, info):
     assert records[0]["bubble_fraction"] is None  # before the first step
     # never profiled: its sends complete steps after they are posted, which the profiler does not survive
     assert all(r["comm_fraction"] is None for r in records)
-    # `raytrain-par export` joins the stages (and the untied embedding / LM head) into a plain GPT-2
-    # that scores the run's last validation loss
-    kjv = info("kjv", seq_len=32, vocab_size=512)
-    assert exported_val_loss(result.results_dir, kjv, 64) == pytest.approx(last["val_loss"], abs=1e-5)
-
-
-def test_bf16_pipeline_through_ray(ray_cluster, tmp_path, info):
-    """A 1F1B pipeline in bf16 through Ray Train: it trains, evaluates in bf16, and its checkpoint holds
-    fp32 weights (the master copy), which score the run's validation loss in fp32 within bf16's rounding."""
-    spec = load_experiment(experiment_file("pipeline-staleness.yaml"),
-                           [f"output_dir={tmp_path}", "strategy={name: pipeline, stages: 2, schedule: 1f1b}",
-                            "model.n_layer=2", "data.seq_len=32", "data.vocab_size=512", "data.max_val_samples=64",
-                            "train.max_steps=6", "train.eval_every_steps=6", "train.warmup_steps=2",
-                            "train.precision=bf16"])
-    result = run_experiment(spec, log=lambda *_: None)
-    assert result.error is None, result.error
-    records = pq.read_table(tmp_path / "pipeline-staleness" / "metrics.parquet").to_pylist()
-    assert [r["step"] for r in records] == [0, 6]
-    last = records[-1]
-    assert last["strategy"] == "pipeline" and last["val_loss"] < records[0]["val_loss"] - 0.3
-    assert len(last["stage_param_bytes"]) == 2
     exported = exported_val_loss(result.results_dir, info("kjv", seq_len=32, vocab_size=512), 64)
     assert exported == pytest.approx(last["val_loss"], rel=1e-3) and exported != last["val_loss"]
