@@ -1,9 +1,9 @@
 """experiments/strategies.yaml's sweep through Ray Tune, over the engines and schedules no other test
 trains through Ray: zero-1, fsdp, and the zbv pipeline schedule (two stages per worker, in a V; a
 split backward). Megatron with tensor_parallel 2 trains through Ray in tests/test_failures.py and
-tests/test_causal_lm.py, gpipe and 1f1b in tests/test_pipeline_ray.py and tests/test_layout_3d.py;
-interleaved-1f1b runs several stages per worker as zbv does, and differs from it only inside the
-engine. Each engine and schedule is compared with one process in plain process groups by
+tests/test_causal_lm.py, the pipeline engine's 1f1b in tests/test_layout_3d.py and PipeDream in
+tests/test_pipeline_ray.py; gpipe and interleaved-1f1b differ from those only inside the engine
+(interleaved-1f1b runs several stages per worker, as zbv does). Each engine and schedule is compared with one process in plain process groups by
 tests/test_zero.py, tests/test_megatron.py and tests/test_pipeline.py."""
 
 import pytest
