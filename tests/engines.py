@@ -99,3 +99,22 @@ def through_ray(raw: dict, tmp_path, cpus_per_worker: float = 0.5):
     losses = [r["train_loss"] for r in result.records if r["step"] > 0]
     checkpoints = sorted(p for p in (Path(tmp_path) / spec.name / "train").glob("checkpoint_*") if p.is_dir())
     return result, losses, {p.name for p in checkpoints[-1].iterdir()}
+
+
+def train_steps_in_ray(config: dict) -> None:
+    """Ray Train loop: each of `config["cases"]` (name -> experiment dict) trains `config["steps"]`
+    steps in this worker group, as train_steps does in a plain one; rank 0 writes the losses per case
+    as JSON to `config["out"]` (a path on this machine). (Ray's workers do not have tests/ on their
+    path: the caller has this module pickled by value.)"""
+    import json
+
+    import ray.train
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    losses = {name: train_steps(rank, world, spec, config["data"], config["steps"])["losses"]
+              for name, spec in config["cases"].items()}
+    if rank == 0:
+        with open(config["out"], "w") as f:
+            json.dump(losses, f)

@@ -2,14 +2,20 @@
 trains through Ray: zero-1, fsdp, and the zbv pipeline schedule (two stages per worker, in a V; a
 split backward). Megatron with tensor_parallel 2 trains through Ray in tests/test_failures.py and
 tests/test_causal_lm.py, the pipeline engine's 1f1b in tests/test_layout_3d.py and PipeDream in
-tests/test_pipeline_ray.py; gpipe and interleaved-1f1b differ from those only inside the engine
-(interleaved-1f1b runs several stages per worker, as zbv does). Each engine and schedule is compared with one process in plain process groups by
+tests/test_pipeline_ray.py. The engines and schedules left (zero-2, gpipe, interleaved-1f1b,
+zero-bubble) differ from those only inside the engine: each trains a few steps in one Ray Train worker
+group, all in one run. Each engine and schedule is compared with one process in plain process groups by
 tests/test_zero.py, tests/test_megatron.py and tests/test_pipeline.py."""
+
+import json
 
 import pytest
 
+import engines
 from conftest import experiment_file
+from engines import train_steps
 from raytrain_par.config import load_experiment
+from raytrain_par.local_group import run_ranks
 from raytrain_par.tuning import run_sweep
 
 pytestmark = pytest.mark.ray
@@ -20,9 +26,6 @@ STRATEGIES = ["{name: zero-1}", "{name: fsdp}", "{name: pipeline, stages: 2, sch
 def test_strategies_sweep_trains_every_engine_as_one_ddp_process_does(ray_cluster, tmp_path, info):
     """Every trial completes, two steps each, with the losses of one ddp process on the same global
     batches."""
-    from engines import train_steps
-    from raytrain_par.local_group import run_ranks
-
     common = ["train.max_steps=2", "train.eval_every_steps=1", "train.warmup_steps=0", "train.checkpoint_every_evals=0",
               "data.max_val_samples=16"]
     spec = load_experiment(experiment_file("strategies.yaml"), [
@@ -36,3 +39,36 @@ def test_strategies_sweep_trains_every_engine_as_one_ddp_process_does(ray_cluste
     for t in result.trials:
         losses = [r["train_loss"] for r in result.records if r["trial"] == t["trial"] and r["step"] > 0]
         assert losses == pytest.approx(reference, rel=1e-5), t["trial"]
+
+
+ENGINES = {"zero-2": "{name: zero-2}",
+           **{s: f"{{name: pipeline, stages: 2, schedule: {s}}}" for s in ("gpipe", "interleaved-1f1b", "zero-bubble")}}
+
+
+def test_the_other_engines_train_in_ray_train_workers_as_one_ddp_process_does(ray_cluster, tmp_path, info):
+    """zero-2 and the gpipe, interleaved-1f1b and zero-bubble schedules, two steps each in one group of
+    2 Ray Train workers (one run rather than one each: Ray's start-up of a run costs ~30 s on 2
+    cores), train the losses of one ddp process on the same global batches."""
+    from ray import cloudpickle
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    common = ["train.max_steps=2", "train.warmup_steps=0", "sweep=null"]
+    cases = {name: load_experiment(experiment_file("strategies.yaml"), [*common, f"strategy={s}"]).to_dict()
+             for name, s in ENGINES.items()}
+    one = load_experiment(experiment_file("strategies.yaml"), [*common, "scaling.num_workers=1"])
+    data = info("kjv", seq_len=one.data.seq_len, vocab_size=one.data.vocab_size)
+    cloudpickle.register_pickle_by_value(engines)
+    try:
+        TorchTrainer(engines.train_steps_in_ray,
+                     train_loop_config={"cases": cases, "data": data, "steps": 2, "out": str(tmp_path / "losses.json")},
+                     torch_config=TorchConfig(backend="gloo"),
+                     scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+                     run_config=RunConfig(name="engines", storage_path=str(tmp_path))).fit()
+    finally:
+        cloudpickle.unregister_pickle_by_value(engines)
+    reference = run_ranks(1, train_steps, one.to_dict(), data, 2)[0]["losses"]
+    trained = json.loads((tmp_path / "losses.json").read_text())
+    assert set(trained) == set(ENGINES)
+    for name, losses in trained.items():
+        assert losses == pytest.approx(reference, rel=1e-5), name
