@@ -340,7 +340,8 @@ class GoodputSearcher(Searcher):
         target: its correction is on the way, and a second point of the batch waits for it."""
         batch = row.get("global_batch_size")
         same = [i for i, r in self.rows.items() if r.get("global_batch_size") == batch]
-        known = [i for i in same if i in self.measured or i in self.times()]
+        reached = self.times()
+        known = [i for i in same if i in self.measured or i in reached]
         return any(i in self.running for i in same) and not known
 
     def corrected(self, row: dict) -> float:

@@ -21,9 +21,18 @@ from raytrain_par.tuning import run_sweep
 pytestmark = pytest.mark.ray
 
 STRATEGIES = ["{name: zero-1}", "{name: fsdp}", "{name: pipeline, stages: 2, schedule: zbv}"]
+COMMON = ["train.max_steps=2", "train.warmup_steps=0", "sweep=null"]
 
 
-def test_strategies_sweep_trains_every_engine_as_one_ddp_process_does(ray_cluster, tmp_path, info):
+@pytest.fixture(scope="module")
+def one_process(info):
+    """The losses of one ddp process, two steps on strategies.yaml's global batches, and the data set."""
+    one = load_experiment(experiment_file("strategies.yaml"), [*COMMON, "scaling.num_workers=1"])
+    data = info("kjv", seq_len=one.data.seq_len, vocab_size=one.data.vocab_size)
+    return run_ranks(1, train_steps, one.to_dict(), data, 2)[0]["losses"], data
+
+
+def test_strategies_sweep_trains_every_engine_as_one_ddp_process_does(ray_cluster, tmp_path, one_process):
     """Every trial completes, two steps each, with the losses of one ddp process on the same global
     batches."""
     common = ["train.max_steps=2", "train.eval_every_steps=1", "train.warmup_steps=0", "train.checkpoint_every_evals=0",
@@ -32,10 +41,7 @@ def test_strategies_sweep_trains_every_engine_as_one_ddp_process_does(ray_cluste
         *common, f"output_dir={tmp_path}", f"sweep.grid.strategy=[{', '.join(STRATEGIES)}]"])
     result = run_sweep(spec, log=lambda *_: None)
     assert len(result.trials) == len(STRATEGIES) and all(t["status"] == "completed" for t in result.trials)
-
-    one = load_experiment(experiment_file("strategies.yaml"), [*common, "scaling.num_workers=1", "sweep=null"])
-    data = info("kjv", seq_len=one.data.seq_len, vocab_size=one.data.vocab_size)
-    reference = run_ranks(1, train_steps, one.to_dict(), data, 2)[0]["losses"]
+    reference, _ = one_process
     for t in result.trials:
         losses = [r["train_loss"] for r in result.records if r["trial"] == t["trial"] and r["step"] > 0]
         assert losses == pytest.approx(reference, rel=1e-5), t["trial"]
@@ -45,30 +51,29 @@ ENGINES = {"zero-2": "{name: zero-2}",
            **{s: f"{{name: pipeline, stages: 2, schedule: {s}}}" for s in ("gpipe", "interleaved-1f1b", "zero-bubble")}}
 
 
-def test_the_other_engines_train_in_ray_train_workers_as_one_ddp_process_does(ray_cluster, tmp_path, info):
+def test_the_other_engines_train_in_ray_train_workers_as_one_ddp_process_does(ray_cluster, tmp_path, one_process):
     """zero-2 and the gpipe, interleaved-1f1b and zero-bubble schedules, two steps each in one group of
     2 Ray Train workers (one run rather than one each: Ray's start-up of a run costs ~30 s on 2
     cores), train the losses of one ddp process on the same global batches."""
     from ray import cloudpickle
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train import DataConfig
 
-    common = ["train.max_steps=2", "train.warmup_steps=0", "sweep=null"]
-    cases = {name: load_experiment(experiment_file("strategies.yaml"), [*common, f"strategy={s}"]).to_dict()
+    from raytrain_par.data.shards import DatasetInfo
+    from raytrain_par.driver import make_trainer
+
+    reference, data = one_process
+    cases = {name: load_experiment(experiment_file("strategies.yaml"), [*COMMON, f"strategy={s}"])
              for name, s in ENGINES.items()}
-    one = load_experiment(experiment_file("strategies.yaml"), [*common, "scaling.num_workers=1"])
-    data = info("kjv", seq_len=one.data.seq_len, vocab_size=one.data.vocab_size)
+    out = tmp_path / "losses.json"
     cloudpickle.register_pickle_by_value(engines)
     try:
-        TorchTrainer(engines.train_steps_in_ray,
-                     train_loop_config={"cases": cases, "data": data, "steps": 2, "out": str(tmp_path / "losses.json")},
-                     torch_config=TorchConfig(backend="gloo"),
-                     scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-                     run_config=RunConfig(name="engines", storage_path=str(tmp_path))).fit()
+        make_trainer(next(iter(cases.values())), DatasetInfo.from_json(data), tmp_path, name="engines",
+                     loop=engines.train_steps_in_ray,
+                     loop_config={"cases": {n: c.to_dict() for n, c in cases.items()}, "steps": 2, "out": str(out)},
+                     datasets=({}, DataConfig(datasets_to_split=[]))).fit()
     finally:
         cloudpickle.unregister_pickle_by_value(engines)
-    reference = run_ranks(1, train_steps, one.to_dict(), data, 2)[0]["losses"]
-    trained = json.loads((tmp_path / "losses.json").read_text())
+    trained = json.loads(out.read_text())
     assert set(trained) == set(ENGINES)
     for name, losses in trained.items():
         assert losses == pytest.approx(reference, rel=1e-5), name
