@@ -82,30 +82,45 @@ def exported_val_loss(run_dir, info_dict: dict, rows: int, model_spec=None) -> f
     return float(sums[0] / sums[1])
 
 
-def through_ray(raw: dict, tmp_path, cpus_per_worker: float = 0.5):
-    """Run an experiment (a dict as `experiment` gives) through Ray Train on the session's cluster,
-    evaluating 16 rows after every step; returns the result, its training loss per step and the names
-    of the files in its last checkpoint."""
+def in_ray_workers(loop_fn, spec, info_dict: dict, tmp_path, **loop_config) -> None:
+    """One Ray Train run of `spec`'s workers, backend and resources, on the session's cluster, each
+    worker running `loop_fn` (a loop of this module) with `loop_config` and `config["data"]`, without
+    Ray datasets. (Ray's workers do not have tests/ on their path: this module goes to them pickled by
+    value.)"""
+    import sys
+
+    from ray import cloudpickle
+    from ray.train import DataConfig
+
+    from raytrain_par.driver import make_trainer
+
+    here = sys.modules[__name__]
+    cloudpickle.register_pickle_by_value(here)
+    try:
+        make_trainer(spec, DatasetInfo.from_json(info_dict), tmp_path, name="in-ray-workers", loop=loop_fn,
+                     loop_config=loop_config, datasets=({}, DataConfig(datasets_to_split=[]))).fit()
+    finally:
+        cloudpickle.unregister_pickle_by_value(here)
+
+
+def loops_in_ray(config: dict) -> None:
+    """Ray Train loop: the worker's training loop (`loop`: evaluation, checkpoints under
+    `config["root"]`/NAME) for each of `config["cases"]` (name -> experiment dict) in turn, in this one
+    worker group; rank 0 writes the records per case as JSON to `config["out"]`."""
+    import json
     from pathlib import Path
 
-    from raytrain_par.driver import run_experiment
-
-    raw = {**raw, "output_dir": str(tmp_path), "scaling": {**raw["scaling"], "cpus_per_worker": cpus_per_worker}}
-    spec = config.parse(raw)
-    spec.train.eval_every_steps = 1
-    spec.data.max_val_samples = 16
-    result = run_experiment(spec, log=lambda *_: None)
-    assert result.error is None, result.error
-    losses = [r["train_loss"] for r in result.records if r["step"] > 0]
-    checkpoints = sorted(p for p in (Path(tmp_path) / spec.name / "train").glob("checkpoint_*") if p.is_dir())
-    return result, losses, {p.name for p in checkpoints[-1].iterdir()}
+    torch.set_num_threads(1)
+    records = {name: loop(spec, config["data"], Path(config["root"]) / name) for name, spec in config["cases"].items()}
+    if torch.distributed.get_rank() == 0:
+        with open(config["out"], "w") as f:
+            json.dump(records, f, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v))
 
 
 def train_steps_in_ray(config: dict) -> None:
     """Ray Train loop: each of `config["cases"]` (name -> experiment dict) trains `config["steps"]`
     steps in this worker group, as train_steps does in a plain one; rank 0 writes the losses per case
-    as JSON to `config["out"]` (a path on this machine). (Ray's workers do not have tests/ on their
-    path: the caller has this module pickled by value.)"""
+    as JSON to `config["out"]` (a path on this machine)."""
     import json
 
     import ray.train

@@ -13,7 +13,7 @@ import torch
 from ray.util.state import list_actors
 
 from conftest import experiment_file
-from engines import experiment, exported_val_loss
+from engines import experiment, exported_val_loss, loop
 from raytrain_par import checkpoints, config, models, strategies
 from raytrain_par.config import load_experiment
 from raytrain_par.data.loader import MemoryLoader
@@ -34,11 +34,17 @@ def _spec(out, *overrides):
 
 
 @pytest.fixture(scope="module")
-def straight(ray_cluster, tmp_path_factory):
-    """The uninterrupted run every failure case must end equal to."""
-    result = run_experiment(_spec(tmp_path_factory.mktemp("straight"), "train.max_steps=8"), log=lambda *_: None)
-    assert result.error is None
-    return result.records
+def straight(info, tmp_path_factory):
+    """The uninterrupted run every failure case must end equal to: the worker's loop on 2 ranks of a
+    plain process group, as Ray Train's 2 workers run it (the same rows per rank, the same gloo
+    reductions)."""
+    spec = _spec(tmp_path_factory.mktemp("straight"), "train.max_steps=8")
+    kjv = info("kjv", seq_len=spec.data.seq_len, vocab_size=spec.data.vocab_size)
+    return run_ranks(2, _loop, spec.to_dict(), kjv, str(spec.results_dir))[0]
+
+
+def _loop(rank, world, spec_dict, info_dict, root):
+    return loop(spec_dict, info_dict, root)
 
 
 def _assert_same_end(records, straight, rel=0.0):
@@ -59,30 +65,9 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.ray
-def test_resume_skips_a_damaged_checkpoint_and_ends_equal(straight, tmp_path, capfd):
-    first = run_experiment(_spec(tmp_path, "train.max_steps=6"), log=lambda *_: None)
-    assert first.error is None
-    ckpts = sorted((tmp_path / "quickstart" / "train").glob("checkpoint_*/"))
-    assert len(ckpts) == 2  # steps 4 and 6 kept
-    latest = ckpts[-1] / "ddp.pt"
-    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # cut short, as by a full disk
-    resumed = run_experiment(_spec(tmp_path, "train.max_steps=8"), resume=True, log=lambda *_: None)
-    assert resumed.error is None
-    out = capfd.readouterr()
-    assert "is damaged: ddp.pt (rank 0) has" in out.out + out.err
-    assert "at step 4" in out.out + out.err  # the one before it
-    _assert_same_end(resumed.records, straight)
-
-
-@pytest.mark.ray
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_killed_worker_is_replaced_and_the_run_ends_equal(straight, tmp_path, strategy, info):
-    """The run ends as the uninterrupted one does, and `raytrain-par export` joins its latest
-    checkpoint (sharded by ZeRO-3, or cut by tensor parallel) into a GPT-2 that transformers loads with
-    every key and that scores the run's last validation loss."""
-    override, rel = STRATEGIES[strategy]
-    spec = _spec(tmp_path, "train.max_steps=8", "train.max_failures=1", override)
+def _run_and_kill_a_worker(tmp_path, strategy):
+    """`strategy`'s 8-step run with one worker killed once it has recorded step 2 or later."""
+    spec = _spec(tmp_path, "train.max_steps=8", "train.max_failures=1", STRATEGIES[strategy][0])
     done = {}
     thread = threading.Thread(target=lambda: done.update(result=run_experiment(spec, log=lambda *_: None)))
     thread.start()
@@ -95,14 +80,52 @@ def test_killed_worker_is_replaced_and_the_run_ends_equal(straight, tmp_path, st
     assert len(workers) == 2
     os.kill(workers[1]["pid"], signal.SIGKILL)  # from outside, as the OOM killer or a lost node would
     thread.join(600)
-    result = done["result"]
+    return spec, done["result"]
+
+
+@pytest.fixture(scope="module")
+def zero3_killed(ray_cluster, tmp_path_factory):
+    """The zero-3 run that loses a worker: test_resume_skips_a_damaged_checkpoint_and_ends_equal resumes
+    it again once its own test has read it (a run's start-up costs ~30 s on 2 cores)."""
+    return _run_and_kill_a_worker(tmp_path_factory.mktemp("zero-3"), "zero-3")
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_killed_worker_is_replaced_and_the_run_ends_equal(ray_cluster, straight, tmp_path, strategy, info, request):
+    """The run ends as the uninterrupted one does, and `raytrain-par export` joins its latest
+    checkpoint (sharded by ZeRO-3, or cut by tensor parallel) into a GPT-2 that transformers loads with
+    every key and that scores the run's last validation loss."""
+    spec, result = (request.getfixturevalue("zero3_killed") if strategy == "zero-3"
+                    else _run_and_kill_a_worker(tmp_path, strategy))
     assert result.error is None
     assert any(r.get("resumed_from_step") is not None for r in result.records)  # it did lose the worker
     assert result.records[-1]["strategy"] == strategy
-    _assert_same_end(result.records, straight, rel)
+    _assert_same_end(result.records, straight, STRATEGIES[strategy][1])
     kjv = info("kjv", seq_len=spec.data.seq_len, vocab_size=spec.data.vocab_size)
     exported = exported_val_loss(result.results_dir, kjv, spec.data.max_val_samples)
     assert exported == pytest.approx(result.records[-1]["val_loss"], abs=1e-5)
+
+
+@pytest.mark.ray
+def test_resume_skips_a_damaged_checkpoint_and_ends_equal(zero3_killed, straight, capfd):
+    """`--resume` of the finished zero-3 run (checkpoints at steps 6 and 8 kept) once a file of its
+    latest checkpoint is cut short, as by a full disk: the checkpoint is found damaged, the run resumes
+    from the one before it and ends as the uninterrupted run does, no record lost or repeated."""
+    spec, result = zero3_killed
+    ckpts = sorted((result.results_dir / "train").glob("checkpoint_*/"))
+    assert len(ckpts) == 2
+    files = json.loads((ckpts[-1] / "manifest-rank0.json").read_text())["files"]
+    name = max(files, key=lambda f: files[f]["bytes"])  # rank 0's largest file of the step-8 checkpoint
+    latest = ckpts[-1] / name
+    latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])
+    capfd.readouterr()
+    resumed = run_experiment(spec, resume=True, log=lambda *_: None)
+    assert resumed.error is None
+    out = capfd.readouterr()
+    assert f"is damaged: {name} (rank 0) has" in out.out + out.err
+    assert "at step 6" in out.out + out.err  # the one before it
+    _assert_same_end(resumed.records, straight)
 
 
 def _checkpoint(tmp_path, world=2):

@@ -1,13 +1,15 @@
 """The parallel layout (strategies/layout.py) and megatron's tensor x pipeline x data layout against one
 process, in gloo groups."""
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from engines import experiment, exported_val_loss, loop, through_ray, train_steps
+import engines
+from engines import experiment, exported_val_loss, loop, train_steps
 from raytrain_par import config, estimate
 from raytrain_par.data.shards import DatasetInfo
 from raytrain_par.errors import ConfigError
@@ -158,29 +160,42 @@ def test_pipeline_by_sharded_data_matches_one_process(kjv, reference):
     _check(run_ranks(4, _run, [(spec, kjv, STEPS)]), reference)
 
 
+# -- through Ray Train -------------------------------------------------------------------------------
+
+#: the 4-worker layouts, each trained through the worker's loop in one group of Ray Train workers:
+#: (strategy, (pipeline, tensor, data) its records state, the files of one checkpoint)
+THROUGH_RAY = {
+    "tensor-by-pipeline": (three_d(), (2, 2, 1), {f"megatron-pp{p}-tp{t}-of-2x2.pt" for p in range(2) for t in range(2)}),
+    "pipeline-by-sharded-data": (PIPELINE_FSDP, (2, 1, 2), {f"pipeline-rank{p}.pt" for p in range(2)}),
+    "sharded-by-tensor": ({"name": "megatron", "tensor_parallel": 2, "data_parallel_sharding": "fsdp"}, (1, 2, 2),
+                          {"megatron-tp0-of-2.pt", "megatron-tp1-of-2.pt"}),
+}
+
+
 @pytest.mark.ray
-def test_tensor_by_pipeline_through_ray(ray_cluster, kjv, reference, tmp_path):
-    """T2 x P2 on 4 Ray workers: the per-step losses of one process, evaluation on split logits, a
-    checkpoint per stage and tensor rank, and `raytrain-par export` joining them into a plain GPT-2
+def test_the_four_worker_layouts_through_ray_train(ray_cluster, kjv, reference, tmp_path):
+    """T2 x P2, P2 x D2 with each stage sharded over its 2 replicas by FSDP2, and FSDP x T2, on 4 Ray
+    Train workers, each through the worker's training loop in turn in one run (a run's start-up costs
+    ~30 s on 2 cores; what a run adds around the loop, Ray Data and Ray's checkpoints, is the same for
+    every strategy and is run by every other test of `raytrain-par run`): the per-step losses of one
+    process, evaluation on split logits, a checkpoint of whole shards per stage and tensor rank
+    (gathered from the replicas' slices), and `raytrain-par export` joining them into a plain GPT-2
     that scores the run's validation loss."""
-    result, losses, files = through_ray(experiment(data=KJV, strategy=three_d(), workers=4, steps=STEPS, **CLIP),
-                                        tmp_path)
-    assert losses == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
-    assert files >= {f"megatron-pp{p}-tp{t}-of-2x2.pt" for p in range(2) for t in range(2)}
-    last = result.records[-1]
-    assert exported_val_loss(result.results_dir, kjv, 16) == pytest.approx(last["val_loss"], abs=1e-5)
-    assert (last["pipeline_parallel"], last["tensor_parallel"], last["data_parallel"]) == (2, 2, 1)
-
-
-@pytest.mark.ray
-def test_pipeline_by_sharded_data_through_ray(ray_cluster, kjv, reference, tmp_path):
-    """P2 x D2 on 4 Ray workers, each stage sharded over its 2 replicas by FSDP2: the per-step losses of
-    one process, a checkpoint of whole stages per pipeline rank (gathered from the replicas' slices),
-    and `raytrain-par export` joining them into a plain GPT-2 that scores the run's validation loss."""
-    result, losses, files = through_ray(experiment(data=KJV, strategy=PIPELINE_FSDP, workers=4, steps=STEPS, **CLIP),
-                                        tmp_path)
-    assert losses == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
-    assert files >= {f"pipeline-rank{p}.pt" for p in range(2)}
-    last = result.records[-1]
-    assert exported_val_loss(result.results_dir, kjv, 16) == pytest.approx(last["val_loss"], abs=1e-5)
-    assert (last["pipeline_parallel"], last["data_parallel"], last["data_parallel_sharding"]) == (2, 2, "fsdp")
+    cases = {}
+    for name, (strategy, _, _) in THROUGH_RAY.items():
+        case = experiment(data={**KJV, "max_val_samples": 16}, strategy=strategy, workers=4, steps=STEPS,
+                          eval_every_steps=1, **CLIP)
+        cases[name] = {**case, "scaling": {**case["scaling"], "cpus_per_worker": 0.5}}
+    out = tmp_path / "records.json"
+    engines.in_ray_workers(engines.loops_in_ray, config.from_dict(next(iter(cases.values()))), kjv, tmp_path,
+                           cases=cases, root=str(tmp_path), out=str(out))
+    trained = json.loads(out.read_text())
+    for name, (strategy, layout, files) in THROUGH_RAY.items():
+        records = trained[name]
+        assert [r["train_loss"] for r in records if r["step"] > 0] == pytest.approx(reference["losses"], rel=1e-5,
+                                                                                    abs=1e-6), name
+        last = records[-1]
+        assert (last["pipeline_parallel"], last["tensor_parallel"], last["data_parallel"]) == layout, name
+        checkpoint = sorted((tmp_path / name).glob("checkpoint_*/"))[-1]
+        assert {p.name for p in checkpoint.iterdir()} >= files, name
+        assert exported_val_loss(tmp_path / name, kjv, 16) == pytest.approx(last["val_loss"], abs=1e-5), name

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raytrain_par.local_group import run_ranks
-from engines import experiment, loop, through_ray
+from engines import experiment, loop
 from raytrain_par import config, models, strategies
 from raytrain_par.models import gpt2
 from raytrain_par.data.loader import MemoryLoader, eval_batches
@@ -301,17 +301,6 @@ def test_bad_layouts_are_rejected_before_start(changes, field, words):
 def test_hybrid_layout_reads_one_slice_per_tensor_parallel_group():
     spec = config.parse(experiment(strategy=megatron(2), workers=4, batch=16))
     assert spec.data_parallel_size == 2 and spec.per_worker_batch == 8
-
-
-# -- through Ray Train -------------------------------------------------------------------------------
-
-def test_sharded_tensor_by_data_parallel_through_ray(ray_cluster, runs, tmp_path):
-    """FSDP x T2 on 4 Ray workers: the per-step losses of one process, and a checkpoint of whole
-    tensor-parallel shards (the same files as with replicated data parallel)."""
-    strategy = {**megatron(2), "data_parallel_sharding": "fsdp"}
-    _, losses, files = through_ray(experiment(strategy=strategy, workers=4, steps=STEPS, **CLIP), tmp_path)
-    assert losses == pytest.approx(runs["ref"]["clip"]["losses"], abs=1e-5, rel=1e-5)
-    assert files >= {"megatron-tp0-of-2.pt", "megatron-tp1-of-2.pt"}
 
 
 def test_resume_may_change_the_tensor_parallel_layout_but_not_the_model(tmp_path):

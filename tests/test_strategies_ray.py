@@ -1,11 +1,10 @@
-"""experiments/strategies.yaml's sweep through Ray Tune, over the engines and schedules no other test
-trains through Ray: zero-1, fsdp, and the zbv pipeline schedule (two stages per worker, in a V; a
-split backward). Megatron with tensor_parallel 2 trains through Ray in tests/test_failures.py and
+"""experiments/strategies.yaml's sweep through Ray Tune, over two engines no other test trains through
+Ray: zero-1 and fsdp. Megatron with tensor_parallel 2 trains through Ray in tests/test_failures.py and
 tests/test_causal_lm.py, the pipeline engine's 1f1b in tests/test_layout_3d.py and PipeDream in
 tests/test_pipeline_ray.py. The engines and schedules left (zero-2, gpipe, interleaved-1f1b,
-zero-bubble) differ from those only inside the engine: each trains a few steps in one Ray Train worker
-group, all in one run. Each engine and schedule is compared with one process in plain process groups by
-tests/test_zero.py, tests/test_megatron.py and tests/test_pipeline.py."""
+zero-bubble, zbv) differ from those only inside the engine: each trains a few steps in one Ray Train
+worker group, all in one run. Each engine and schedule is compared with one process in plain process
+groups by tests/test_zero.py, tests/test_megatron.py and tests/test_pipeline.py."""
 
 import json
 
@@ -20,7 +19,7 @@ from raytrain_par.tuning import run_sweep
 
 pytestmark = pytest.mark.ray
 
-STRATEGIES = ["{name: zero-1}", "{name: fsdp}", "{name: pipeline, stages: 2, schedule: zbv}"]
+STRATEGIES = ["{name: zero-1}", "{name: fsdp}"]
 COMMON = ["train.max_steps=2", "train.warmup_steps=0", "sweep=null"]
 
 
@@ -48,31 +47,21 @@ def test_strategies_sweep_trains_every_engine_as_one_ddp_process_does(ray_cluste
 
 
 ENGINES = {"zero-2": "{name: zero-2}",
-           **{s: f"{{name: pipeline, stages: 2, schedule: {s}}}" for s in ("gpipe", "interleaved-1f1b", "zero-bubble")}}
+           **{s: f"{{name: pipeline, stages: 2, schedule: {s}}}"
+              for s in ("gpipe", "interleaved-1f1b", "zero-bubble", "zbv")}}
 
 
 def test_the_other_engines_train_in_ray_train_workers_as_one_ddp_process_does(ray_cluster, tmp_path, one_process):
-    """zero-2 and the gpipe, interleaved-1f1b and zero-bubble schedules, two steps each in one group of
-    2 Ray Train workers (one run rather than one each: Ray's start-up of a run costs ~30 s on 2
-    cores), train the losses of one ddp process on the same global batches."""
-    from ray import cloudpickle
-    from ray.train import DataConfig
-
-    from raytrain_par.data.shards import DatasetInfo
-    from raytrain_par.driver import make_trainer
-
+    """zero-2 and the gpipe, interleaved-1f1b, zero-bubble and zbv (two stages per worker, in a V; a
+    split backward) schedules, two steps each in one group of 2 Ray Train workers (one run rather than
+    one each: Ray's start-up of a run costs ~30 s on 2 cores), train the losses of one ddp process on
+    the same global batches."""
     reference, data = one_process
     cases = {name: load_experiment(experiment_file("strategies.yaml"), [*COMMON, f"strategy={s}"])
              for name, s in ENGINES.items()}
     out = tmp_path / "losses.json"
-    cloudpickle.register_pickle_by_value(engines)
-    try:
-        make_trainer(next(iter(cases.values())), DatasetInfo.from_json(data), tmp_path, name="engines",
-                     loop=engines.train_steps_in_ray,
-                     loop_config={"cases": {n: c.to_dict() for n, c in cases.items()}, "steps": 2, "out": str(out)},
-                     datasets=({}, DataConfig(datasets_to_split=[]))).fit()
-    finally:
-        cloudpickle.unregister_pickle_by_value(engines)
+    engines.in_ray_workers(engines.train_steps_in_ray, next(iter(cases.values())), data, tmp_path,
+                           cases={n: c.to_dict() for n, c in cases.items()}, steps=2, out=str(out))
     trained = json.loads(out.read_text())
     assert set(trained) == set(ENGINES)
     for name, losses in trained.items():
