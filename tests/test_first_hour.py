@@ -63,8 +63,14 @@ def test_readme_commands_work_as_typed_and_the_console_is_quiet(tmp_path, ray_cl
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         outputs[command] = proc.stdout + proc.stderr
-        if command == commands[0]:  # read before the next run moves these results aside
+        if command == commands[0]:  # read before the resume adds to these results
             quickstart = pq.read_table(tmp_path / "results" / "quickstart" / "metrics.parquet")
+    resumed = pq.read_table(tmp_path / "results" / "quickstart" / "metrics.parquet").to_pylist()
+    assert [r["step"] for r in resumed] == [0, 4, 6]  # the resume line continued the quickstart's run
+    for command in commands:  # the check line prints the experiment with its --set values in it
+        if command.startswith("raytrain-par check"):
+            for key, value in re.findall(r"--set (\S+?)=(\S+)", command):
+                assert f"{key.rsplit('.', 1)[-1]}: {value}" in outputs[command], (command, key)
     assert (tmp_path / "gpt2-quickstart" / "config.json").exists()  # the export line
     console = outputs[commands[0]].splitlines()
     unexpected = [line for line in console if not any(re.search(p, line) for p in allowed)]

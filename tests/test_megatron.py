@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from raytrain_par.local_group import run_ranks
-from engines import experiment, loop
+import engines
+from engines import loop
 from raytrain_par import config, models, strategies
 from raytrain_par.models import gpt2
 from raytrain_par.data.loader import MemoryLoader, eval_batches
@@ -18,6 +19,8 @@ from raytrain_par.data.shards import DatasetInfo, read_split
 from raytrain_par.errors import ConfigError
 from raytrain_par.strategies import DistContext
 
+# Short rows of a small vocabulary: cheap steps through every piece of a GPT-2 (tied embedding, blocks).
+KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
 STEPS = 4
 CLIP = {"gradient_accumulation_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "warmup_steps": 2,
         "lr_schedule": "cosine"}
@@ -25,6 +28,10 @@ RESUME = {"eval_every_steps": 2, "lr_schedule": "constant"}
 # Weights after a few AdamW steps (lr 1e-3): its normalised step turns rounding differences in a
 # near-zero gradient into a difference of a fraction of lr in that one weight.
 WEIGHT_ATOL = 1e-4
+
+
+def experiment(model="gpt2-tiny", **more) -> dict:
+    return engines.experiment(model, dict(KJV), **more)
 
 
 def megatron(t):
@@ -80,8 +87,8 @@ def train(spec_dict, info_dict, steps, attn_dropout=None, checkpoint=None):
 
 
 def odd_vocabulary(info_dict):
-    """The data set as if its tokenizer had come out at 8193 tokens (every id stays below 8192)."""
-    return {**info_dict, "vocab_size": 8193}
+    """The data set as if its tokenizer had come out at 513 tokens (every id stays below 512)."""
+    return {**info_dict, "vocab_size": 513}
 
 
 def tensor_parallel_scenarios(rank, world, info_dict, tmp):
@@ -135,7 +142,7 @@ def hybrid_scenarios(rank, world, info_dict, tmp):
 @pytest.fixture(scope="module")
 def runs(info, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron")
-    kjv = info("kjv")
+    kjv = info(**KJV)
     t2 = run_ranks(2, tensor_parallel_scenarios, kjv, str(tmp))
     ref = run_ranks(1, reference_scenarios, kjv, str(tmp))[0]
     return {"t2": t2, "ref": ref, "info": kjv}
@@ -143,7 +150,7 @@ def runs(info, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hybrid(info, tmp_path_factory):
-    return run_ranks(4, hybrid_scenarios, info("kjv"), str(tmp_path_factory.mktemp("hybrid")))
+    return run_ranks(4, hybrid_scenarios, info(**KJV), str(tmp_path_factory.mktemp("hybrid")))
 
 
 # -- parity --------------------------------------------------------------------------------------
@@ -153,7 +160,7 @@ def test_tensor_parallel_matches_single_process(runs, case):
     """Same global losses and final weights as one process from the same initial weights. `clip` adds
     accumulation, clipping (a norm over split and replicated parameters), decay and a schedule;
     `dropout` drops embeddings and residuals, which must draw the same masks as one process; `padded`
-    has a vocabulary of 8193, padded to 8194 for T=2 (and cut back in the gathered state)."""
+    has a vocabulary of 513, padded to 514 for T=2 (and cut back in the gathered state)."""
     t2, ref = runs["t2"], runs["ref"][case]
     assert t2[0][case]["losses"] == t2[1][case]["losses"]
     assert t2[0][case]["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-5)

@@ -1,7 +1,7 @@
 """experiments/strategies.yaml's sweep through Ray Tune, over two engines no other test trains through
-Ray: zero-1 and fsdp. Megatron with tensor_parallel 2 trains through Ray in tests/test_failures.py and
-tests/test_causal_lm.py, the pipeline engine's 1f1b in tests/test_layout_3d.py and PipeDream in
-tests/test_pipeline_ray.py. The engines and schedules left (zero-2, gpipe, interleaved-1f1b,
+Ray: zero-1 and fsdp. ddp and zero-3 train through Ray in tests/test_failures.py, megatron with
+tensor_parallel 2 in tests/test_causal_lm.py, megatron and the pipeline engine's 1f1b in the 4-worker
+layouts of tests/test_layout_3d.py and PipeDream in tests/test_pipeline_ray.py. The engines and schedules left (zero-2, gpipe, interleaved-1f1b,
 zero-bubble, zbv) differ from those only inside the engine: each trains a few steps in one Ray Train
 worker group, all in one run. Each engine and schedule is compared with one process in plain process
 groups by tests/test_zero.py, tests/test_megatron.py and tests/test_pipeline.py."""
