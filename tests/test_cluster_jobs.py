@@ -34,8 +34,10 @@ IDLE_TIMEOUT_MIN = 0.1  # the test copy's idle_timeout_minutes: 6 s
 # A lost node is found dead in about 2 s (Ray's defaults: 3 s x 5 health checks), and a worker group that
 # cannot be placed (Ray Train first asks again for the size it had) is given up after 20 s, not 60: the
 # elastic test waits for both.
+# The autoscaler looks at pending work every second instead of every 5.
 FAST_FAILURE_DETECTION = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
-                          "RAY_health_check_failure_threshold": "2", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
+                          "RAY_health_check_failure_threshold": "2", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20",
+                          "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
 
 
 @dataclass
@@ -230,8 +232,12 @@ def test_elastic_job_keeps_training_when_a_node_goes(head, tmp_path, info):
     from raytrain_par.config import load_experiment
     from raytrain_par.local_group import run_ranks
 
-    steps, every = 24, 2
-    train = ["train.lr_schedule=constant", "train.warmup_steps=0", "train.grad_clip=0", f"train.max_steps={steps}"]
+    # Short rows of a small vocabulary: steps of a tenth of a second, for the run and for the process
+    # that trains the same batches after it; enough of them that the run is still training when the
+    # second node comes and after the first goes.
+    steps, every = 96, 8
+    train = ["train.lr_schedule=constant", "train.warmup_steps=0", "train.grad_clip=0", f"train.max_steps={steps}",
+             "data.seq_len=32", "data.vocab_size=512"]
     proc = head.submit("rtp-elastic", "--set", f"output_dir={tmp_path}", "--set", "scaling.num_workers=[1,2]",
                        "--set", "scaling.cpus_per_worker=2", "--set", "scaling.resize_interval_s=1",
                        "--set", f"train.eval_every_steps={every}", "--set", "train.checkpoint_every_evals=1",
