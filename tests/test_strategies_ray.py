@@ -36,8 +36,10 @@ def test_strategies_sweep_trains_every_engine_as_one_ddp_process_does(ray_cluste
     batches."""
     common = ["train.max_steps=2", "train.eval_every_steps=1", "train.warmup_steps=0", "train.checkpoint_every_evals=0",
               "data.max_val_samples=16"]
+    # both trials at once: the shared cluster holds their 2 x 2 workers, and one's start-up overlaps the other's
     spec = load_experiment(experiment_file("strategies.yaml"), [
-        *common, f"output_dir={tmp_path}", f"sweep.grid.strategy=[{', '.join(STRATEGIES)}]"])
+        *common, f"output_dir={tmp_path}", f"sweep.grid.strategy=[{', '.join(STRATEGIES)}]",
+        "sweep.max_concurrent_trials=2"])
     result = run_sweep(spec, log=lambda *_: None)
     assert len(result.trials) == len(STRATEGIES) and all(t["status"] == "completed" for t in result.trials)
     reference, _ = one_process
