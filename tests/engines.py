@@ -10,6 +10,10 @@ from raytrain_par.data.loader import MemoryLoader
 from raytrain_par.data.shards import DatasetInfo, read_split
 from raytrain_par.strategies import DistContext
 
+#: The Bible on short rows of a small vocabulary: cheap steps through every piece of a GPT-2 (embeddings
+#: tied to the LM head, blocks, causal attention), for tests whose property does not depend on its size.
+KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
+
 
 def experiment(model="gpt2-tiny", data="kjv", strategy="ddp", workers=1, batch=16, steps=4, **train) -> dict:
     spec = {"name": "parity", "model": model if isinstance(model, dict) else {"name": model},
@@ -82,54 +86,53 @@ def exported_val_loss(run_dir, info_dict: dict, rows: int, model_spec=None) -> f
     return float(sums[0] / sums[1])
 
 
-def in_ray_workers(loop_fn, spec, info_dict: dict, tmp_path, **loop_config) -> None:
-    """One Ray Train run of `spec`'s workers, backend and resources, on the session's cluster, each
-    worker running `loop_fn` (a loop of this module) with `loop_config` and `config["data"]`, without
-    Ray datasets. (Ray's workers do not have tests/ on their path: this module goes to them pickled by
-    value.)"""
+def in_ray_workers(each, cases: dict, info_dict: dict, tmp_path) -> dict:
+    """`each(rank, world, spec_dict, info_dict, name)` for each of `cases` (name -> experiment dict) in
+    turn, in one Ray Train run of the first case's workers, backend and resources on the session's
+    cluster, without Ray datasets; returns what rank 0's calls returned, by case name (JSON, through a
+    file on this machine). (Ray's workers do not have tests/ on their path: this module goes to them
+    pickled by value, and `each` is a function of it.)"""
+    import json
     import sys
+    from pathlib import Path
 
     from ray import cloudpickle
     from ray.train import DataConfig
 
     from raytrain_par.driver import make_trainer
 
+    out = Path(tmp_path) / "in-ray-workers.json"
     here = sys.modules[__name__]
     cloudpickle.register_pickle_by_value(here)
     try:
-        make_trainer(spec, DatasetInfo.from_json(info_dict), tmp_path, name="in-ray-workers", loop=loop_fn,
-                     loop_config=loop_config, datasets=({}, DataConfig(datasets_to_split=[]))).fit()
+        make_trainer(config.from_dict(next(iter(cases.values()))), DatasetInfo.from_json(info_dict), tmp_path,
+                     name="in-ray-workers", loop=_cases_in_ray,
+                     loop_config={"each": each, "cases": cases, "out": str(out)},
+                     datasets=({}, DataConfig(datasets_to_split=[]))).fit()
     finally:
         cloudpickle.unregister_pickle_by_value(here)
+    return json.loads(out.read_text())
 
 
-def loops_in_ray(config: dict) -> None:
-    """Ray Train loop: the worker's training loop (`loop`: evaluation, checkpoints under
-    `config["root"]`/NAME) for each of `config["cases"]` (name -> experiment dict) in turn, in this one
-    worker group; rank 0 writes the records per case as JSON to `config["out"]`."""
-    import json
-    from pathlib import Path
-
-    torch.set_num_threads(1)
-    records = {name: loop(spec, config["data"], Path(config["root"]) / name) for name, spec in config["cases"].items()}
-    if torch.distributed.get_rank() == 0:
-        with open(config["out"], "w") as f:
-            json.dump(records, f, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v))
-
-
-def train_steps_in_ray(config: dict) -> None:
-    """Ray Train loop: each of `config["cases"]` (name -> experiment dict) trains `config["steps"]`
-    steps in this worker group, as train_steps does in a plain one; rank 0 writes the losses per case
-    as JSON to `config["out"]` (a path on this machine)."""
+def _cases_in_ray(config: dict) -> None:
+    """Ray Train loop of in_ray_workers."""
     import json
 
-    import ray.train
-
     torch.set_num_threads(1)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    losses = {name: train_steps(rank, world, spec, config["data"], config["steps"])["losses"]
-              for name, spec in config["cases"].items()}
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    results = {name: config["each"](rank, world, spec, config["data"], name) for name, spec in config["cases"].items()}
     if rank == 0:
         with open(config["out"], "w") as f:
-            json.dump(losses, f)
+            json.dump(results, f, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v))
+
+
+def step_losses(rank: int, world: int, spec_dict: dict, info_dict: dict, name: str, steps: int) -> list[float]:
+    """in_ray_workers' `each`: train_steps' global loss per step."""
+    return train_steps(rank, world, spec_dict, info_dict, steps)["losses"]
+
+
+def loop_records(rank: int, world: int, spec_dict: dict, info_dict: dict, name: str, root: str) -> list[dict]:
+    """in_ray_workers' `each`: the worker's training loop (evaluation, checkpoints under root/NAME); its records."""
+    from pathlib import Path
+
+    return loop(spec_dict, info_dict, Path(root) / name)

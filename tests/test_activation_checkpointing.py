@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import experiment
+from engines import KJV, experiment
 from raytrain_par import config, estimate, models, strategies
 from raytrain_par.data.loader import MemoryLoader
 from raytrain_par.data.shards import DatasetInfo, read_split
@@ -18,7 +18,6 @@ from raytrain_par.metrics.memory import SavedActivations
 from raytrain_par.models import checkpointing
 from raytrain_par.strategies import DistContext
 
-KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
 GPT = "gpt2-tiny"
 VGG = {"name": "vgg11", "width": 0.125, "dropout": 0.0}
 DROPOUT = {"name": GPT, "dropout": 0.1}

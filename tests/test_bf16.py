@@ -8,9 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from raytrain_par.local_group import run_ranks
-from engines import experiment, train_steps
+from engines import KJV, experiment, train_steps
 
-KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
 STEPS = 8
 BATCH = 8  # bf16 matmuls are emulated on CPUs without bf16 units (~4x fp32's time)
 MEGATRON = {"name": "megatron", "tensor_parallel": 2}

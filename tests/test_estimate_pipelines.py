@@ -6,7 +6,7 @@ import pytest
 
 import torch
 
-from engines import experiment
+from engines import KJV, experiment
 from raytrain_par import models, strategies
 from raytrain_par.data.loader import MemoryLoader
 from raytrain_par.data.shards import read_split
@@ -15,7 +15,6 @@ from raytrain_par import config, estimate
 from raytrain_par.data.shards import DatasetInfo
 from raytrain_par.local_group import run_ranks
 
-KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
 # ~7M parameters: model states well above what the runtime itself allocates, steps of a fraction of a second
 MODEL = {"name": "gpt2-mini", "n_layer": 4, "n_embd": 384, "n_head": 6}
 STEPS = 2  # pipedream reaches its steady state (microbatches in flight, a stashed version) in the second

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from engines import experiment
+from engines import KJV, experiment
 from raytrain_par import config, models, strategies
 from raytrain_par.data.loader import MemoryLoader
 from raytrain_par.data.shards import DatasetInfo, read_split
@@ -17,7 +17,6 @@ from raytrain_par.local_group import run_ranks
 from raytrain_par.metrics.goodput import NoiseScale
 from raytrain_par.strategies import DistContext
 
-KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
 STEPS, EXAMPLES = 120, 384
 
 
@@ -75,7 +74,7 @@ def _per_example(info_json: str) -> float:
 def test_noise_scale_measured_in_training_matches_per_example_gradients(info, strategy, workers, accumulation):
     spec = experiment("gpt2-tiny", KJV, strategy=strategy, workers=workers, batch=16, steps=STEPS,
                       gradient_accumulation_steps=accumulation)
-    info_dict = info("kjv", seq_len=32, vocab_size=512)
+    info_dict = info(**KJV)
     estimates = run_ranks(workers, _frozen_estimate, spec, info_dict)
     assert len(set(estimates)) == 1 and estimates[0] is not None
     truth = _per_example(json.dumps(info_dict, sort_keys=True))
@@ -102,7 +101,7 @@ def test_pipelines_measure_the_noise_scale_with_each_stage_counted_once(info):
              (spec(pipe), 8), (spec({"name": "megatron", "tensor_parallel": 1, "stages": 2, "microbatches": 2}), 8),
              (spec({"name": "pipeline", "stages": 4, "microbatches": 4}), 2),
              (spec({"name": "megatron", "tensor_parallel": 2, "stages": 2, "microbatches": 2}), 2)]
-    info_dict = info("kjv", seq_len=32, vocab_size=512)
+    info_dict = info(**KJV)
     per_rank = run_ranks(4, _estimates, cases, info_dict)
     assert all(estimates == per_rank[0] for estimates in per_rank)  # every stage and replica agrees
     replicated, short, megatron, one_replica, megatron_one_replica = per_rank[0]
@@ -119,14 +118,14 @@ def test_every_zero_stage_measures_the_noise_scale(info):
     without accumulation, so the small batch is each worker's whole local batch. (One process group
     for both: starting DeepSpeed costs more than the steps.)"""
     cases = [(experiment("gpt2-tiny", KJV, strategy=s, workers=2, batch=16, steps=2), 2) for s in ("zero-1", "zero-3")]
-    per_rank = run_ranks(2, _estimates, cases, info("kjv", seq_len=32, vocab_size=512))
+    per_rank = run_ranks(2, _estimates, cases, info(**KJV))
     for estimates in zip(*per_rank):  # by stage: the ranks agree, on a positive value
         assert len(set(estimates)) == 1 and estimates[0] is not None and estimates[0] > 0, estimates
 
 
 def test_one_worker_has_no_second_batch_size_and_says_so(info):
     spec = experiment("gpt2-tiny", KJV, strategy="ddp", workers=1, batch=16, steps=2)
-    assert run_ranks(1, _frozen_estimate, spec, info("kjv", seq_len=32, vocab_size=512), group_of_one=True) == [None]
+    assert run_ranks(1, _frozen_estimate, spec, info(**KJV), group_of_one=True) == [None]
 
 
 def test_the_estimators_recover_a_known_noise_scale():

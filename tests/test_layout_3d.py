@@ -1,7 +1,7 @@
 """The parallel layout (strategies/layout.py) and megatron's tensor x pipeline x data layout against one
 process, in gloo groups."""
 
-import json
+import functools
 import shutil
 from pathlib import Path
 
@@ -9,15 +9,13 @@ import pytest
 import torch
 
 import engines
-from engines import experiment, exported_val_loss, loop, train_steps
+from engines import KJV, experiment, exported_val_loss, loop, train_steps
 from raytrain_par import config, estimate
 from raytrain_par.data.shards import DatasetInfo
 from raytrain_par.errors import ConfigError
 from raytrain_par.local_group import run_ranks
 from raytrain_par.strategies.layout import Layout
 
-# Short rows of a small vocabulary: cheap steps through every piece of a GPT-2 (tied embedding, blocks).
-KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
 STEPS = 3
 # accumulation, clipping (one norm over every dimension), decay and a schedule
 CLIP = {"gradient_accumulation_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "warmup_steps": 1,
@@ -186,10 +184,7 @@ def test_the_four_worker_layouts_through_ray_train(ray_cluster, kjv, reference, 
         case = experiment(data={**KJV, "max_val_samples": 16}, strategy=strategy, workers=4, steps=STEPS,
                           eval_every_steps=1, **CLIP)
         cases[name] = {**case, "scaling": {**case["scaling"], "cpus_per_worker": 0.5}}
-    out = tmp_path / "records.json"
-    engines.in_ray_workers(engines.loops_in_ray, config.from_dict(next(iter(cases.values()))), kjv, tmp_path,
-                           cases=cases, root=str(tmp_path), out=str(out))
-    trained = json.loads(out.read_text())
+    trained = engines.in_ray_workers(functools.partial(engines.loop_records, root=str(tmp_path)), cases, kjv, tmp_path)
     for name, (strategy, layout, files) in THROUGH_RAY.items():
         records = trained[name]
         assert [r["train_loss"] for r in records if r["step"] > 0] == pytest.approx(reference["losses"], rel=1e-5,

@@ -11,7 +11,7 @@ import torch
 
 from raytrain_par.local_group import run_ranks
 import engines
-from engines import loop
+from engines import KJV, loop
 from raytrain_par import config, models, strategies
 from raytrain_par.models import gpt2
 from raytrain_par.data.loader import MemoryLoader, eval_batches
@@ -19,8 +19,6 @@ from raytrain_par.data.shards import DatasetInfo, read_split
 from raytrain_par.errors import ConfigError
 from raytrain_par.strategies import DistContext
 
-# Short rows of a small vocabulary: cheap steps through every piece of a GPT-2 (tied embedding, blocks).
-KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
 STEPS = 4
 CLIP = {"gradient_accumulation_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "warmup_steps": 2,
         "lr_schedule": "cosine"}
@@ -31,7 +29,7 @@ WEIGHT_ATOL = 1e-4
 
 
 def experiment(model="gpt2-tiny", **more) -> dict:
-    return engines.experiment(model, dict(KJV), **more)
+    return engines.experiment(model, KJV, **more)
 
 
 def megatron(t):

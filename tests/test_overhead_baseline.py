@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import experiment
+from engines import KJV, experiment
 from raytrain_par import config, models, strategies
 from raytrain_par.data.loader import MemoryLoader
 from raytrain_par.data.shards import DatasetInfo, read_split
@@ -17,7 +17,6 @@ from raytrain_par.local_group import run_ranks
 from raytrain_par.strategies import DistContext
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
 STEPS = 3
 # as the benchmark sets them: no clipping, no decay, a constant learning rate
 TRAIN = {"grad_clip": 0.0, "weight_decay": 0.0, "lr_schedule": "constant", "warmup_steps": 0}

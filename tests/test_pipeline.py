@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raytrain_par.local_group import run_ranks
-from engines import experiment
+from engines import KJV, experiment
 from raytrain_par import config, models, strategies
 from raytrain_par.data.loader import MemoryLoader, eval_batches
 from raytrain_par.data.shards import DatasetInfo, read_split
@@ -21,9 +21,6 @@ from raytrain_par.strategies import DistContext
 from raytrain_par.strategies.pipedream import staleness_theory
 from raytrain_par.strategies.stages import partition
 
-# A GPT-2 on short rows of a small vocabulary: cheap steps that still go through every piece of the
-# model (embeddings tied to the LM head, blocks, causal attention).
-KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
 GPT = "gpt2-tiny"
 VGG = {"name": "vgg11", "width": 0.125, "dropout": 0.0}
 SYNC = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import experiment, loop
+from engines import KJV, experiment, loop
 from raytrain_par import config
 from raytrain_par.local_group import run_ranks
 
@@ -23,8 +23,6 @@ TRAIN = {"eval_every_steps": 1, "checkpoint_every_evals": 2, "eval_at_start": Fa
          "warmup_steps": 1, "weight_decay": 0.1}
 PIPELINE = {"name": "pipeline", "stages": 2, "schedule": "1f1b", "microbatches": 2}
 MEGATRON = {"name": "megatron", "tensor_parallel": 2}
-# Short rows of a small vocabulary: a resume's arithmetic does not depend on the model's size.
-KJV = {"name": "kjv", "seq_len": 32, "vocab_size": 512}
 # case: (strategy, workers that write, workers that resume, relative tolerance)
 CASES = {
     "ddp 1->2": ("ddp", 1, 2, 1e-6),
@@ -44,7 +42,7 @@ CASES = {
 
 
 def _spec(strategy, workers) -> dict:
-    spec = experiment("gpt2-tiny", dict(KJV), strategy=strategy, workers=workers, batch=8, steps=4, **TRAIN)
+    spec = experiment("gpt2-tiny", KJV, strategy=strategy, workers=workers, batch=8, steps=4, **TRAIN)
     spec["data"]["max_val_samples"] = 16
     return spec
 

@@ -1,12 +1,12 @@
 """experiments/strategies.yaml's sweep through Ray Tune, over two engines no other test trains through
 Ray: zero-1 and fsdp. ddp and zero-3 train through Ray in tests/test_failures.py, megatron with
 tensor_parallel 2 in tests/test_causal_lm.py, megatron and the pipeline engine's 1f1b in the 4-worker
-layouts of tests/test_layout_3d.py and PipeDream in tests/test_pipeline_ray.py. The engines and schedules left (zero-2, gpipe, interleaved-1f1b,
-zero-bubble, zbv) differ from those only inside the engine: each trains a few steps in one Ray Train
-worker group, all in one run. Each engine and schedule is compared with one process in plain process
+layouts of tests/test_layout_3d.py and PipeDream in tests/test_pipeline_ray.py. The engines and
+schedules left (zero-2, gpipe, interleaved-1f1b, zero-bubble, zbv) differ from those only inside the
+engine: each trains a few steps in one Ray Train worker group, all in one run. Each engine and schedule is compared with one process in plain process
 groups by tests/test_zero.py, tests/test_megatron.py and tests/test_pipeline.py."""
 
-import json
+import functools
 
 import pytest
 
@@ -59,12 +59,9 @@ def test_the_other_engines_train_in_ray_train_workers_as_one_ddp_process_does(ra
     one each: Ray's start-up of a run costs ~30 s on 2 cores), train the losses of one ddp process on
     the same global batches."""
     reference, data = one_process
-    cases = {name: load_experiment(experiment_file("strategies.yaml"), [*COMMON, f"strategy={s}"])
+    cases = {name: load_experiment(experiment_file("strategies.yaml"), [*COMMON, f"strategy={s}"]).to_dict()
              for name, s in ENGINES.items()}
-    out = tmp_path / "losses.json"
-    engines.in_ray_workers(engines.train_steps_in_ray, next(iter(cases.values())), data, tmp_path,
-                           cases={n: c.to_dict() for n, c in cases.items()}, steps=2, out=str(out))
-    trained = json.loads(out.read_text())
+    trained = engines.in_ray_workers(functools.partial(engines.step_losses, steps=2), cases, data, tmp_path)
     assert set(trained) == set(ENGINES)
     for name, losses in trained.items():
         assert losses == pytest.approx(reference, rel=1e-5), name
