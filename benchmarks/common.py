@@ -11,6 +11,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DOCS = HERE.parent / "docs"
+README = HERE.parent / "README.md"
 
 sys.path.insert(0, str(HERE.parent))  # this checkout's package, installed or not
 from raytrain_par.provenance import (commit, machine, machine_text, markdown_table, provenance,  # noqa: E402,F401
@@ -18,10 +19,10 @@ from raytrain_par.provenance import (commit, machine, machine_text, markdown_tab
 from raytrain_par.provenance import write_page as provenance_page  # noqa: E402
 
 
-def write_json(name: str, payload: dict, out: str | None = None) -> Path:
+def write_json(name: str, payload: dict, out: str | None = None, made: dict | None = None) -> Path:
     path = Path(out) if out else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**provenance(), **payload}, indent=1))
+    path.write_text(json.dumps({**(made or provenance()), **payload}, indent=1))
     return path
 
 
@@ -32,7 +33,33 @@ def print_table(head: list[str], rows: list[list]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
 
 
-def write_page(name: str, title: str, body: str, out: str | None = None) -> Path:
+def write_page(name: str, title: str, body: str, out: str | None = None, verdict: str | None = None,
+               made: dict | None = None) -> Path:
     """docs/<name>.md: `body` (Markdown) under a title and the line saying how it was produced.
-    The page is the benchmark's output: regenerate it rather than edit it."""
-    return provenance_page(Path(out) if out else DOCS / f"{name}.md", title, body)
+    The page is the benchmark's output: regenerate it rather than edit it. With `verdict` (what was
+    measured against the target, and whether it was met), README.md's line for the benchmark says it
+    too, when the page is the default one. `made`: the provenance of the measurement (default: now)."""
+    made = made or provenance()
+    page = provenance_page(Path(out) if out else DOCS / f"{name}.md", title, body, made=made)
+    if verdict is not None and out is None:
+        start, end = _target_marks(name)
+        text = README.read_text()
+        i, j = text.index(start) + len(start), text.index(end, text.index(start))
+        m = made["machine"]
+        where = m.get("cuda") or f"{m.get('cpu_count')} CPU cores"
+        line = f"- [{title}](docs/{name}.md): {verdict} ({where}, {made['date'][:10]}, commit `{made['commit']}`)"
+        README.write_text(f"{text[:i]}\n{line}\n{text[j:]}")
+    return page
+
+
+def _target_marks(name: str) -> tuple[str, str]:
+    return f"<!-- target {name} -->", "<!-- /target -->"
+
+
+def check_readme_target(name: str, out: str | None) -> None:
+    """Before a benchmark that writes a verdict starts: README.md holds the block its line goes in."""
+    start, end = _target_marks(name)
+    text = README.read_text()
+    if out is None and (start not in text or end not in text[text.find(start):]):
+        raise SystemExit(f"README.md has no `{start}` ... `{end}` block for this benchmark's verdict line; "
+                         f"fix: add one under '## Targets', or write the page elsewhere with --page")

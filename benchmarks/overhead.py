@@ -28,7 +28,8 @@ workers, and it is what separates the two sides.
     python benchmarks/overhead.py --strategies ddp --rounds 5
     python benchmarks/overhead.py --set train.precision=bf16   # any experiment field
 
-Prints a table and a verdict, writes benchmarks/results/overhead.json and docs/overhead.md.
+Prints a table and a verdict, writes benchmarks/results/overhead.json, docs/overhead.md and README.md's
+line for it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import markdown_table, print_table, write_json, write_page
+from common import check_readme_target, markdown_table, print_table, write_json, write_page
 
 from raytrain_par import config, data, models, strategies
 from raytrain_par.models import gpt2
@@ -244,6 +245,7 @@ def main() -> None:
     p.add_argument("--out", help="JSON file (default benchmarks/results/overhead.json)")
     p.add_argument("--page", help="Markdown page (default docs/overhead.md)")
     a = p.parse_args()
+    check_readme_target("overhead", a.page)
     names = [s for s in a.strategies.split(",") if s]
     unknown = [s for s in names if s not in BASELINES]
     if unknown:
@@ -348,6 +350,9 @@ did (the cluster stays up beside it, idle).
 The last column takes Ray and torchrun out: our engine's step against the plain script's step in the
 same process group, {a.in_process_rounds} rounds of {a.warmup} steps each, the median of the rounds'
 ratios."""
+    ratios = [r["ratio"] for r in results.values()]
+    readme = (f"ours / plain {min(ratios):.2f}-{max(ratios):.2f} over {', '.join(results)} (target: at most {TARGET} "
+              f"each): **{'met' if not missed else 'NOT met'}**" + (f", above for {', '.join(missed)}" if missed else ""))
     page = write_page("overhead", "Overhead against the plain libraries", f"""
 Seconds per training step of raytrain-par's engines under Ray Train against plain scripts of the
 same library under `torchrun` ([benchmarks/torchrun_plain.py](../benchmarks/torchrun_plain.py)): {setup}.
@@ -357,7 +362,7 @@ over rounds of each round's ours / plain. The target is at most {TARGET} for eve
 {markdown_table(head, rows)}
 
 **Verdict: {verdict}.**
-{cpu_text}""", a.page)
+{cpu_text}""", a.page, verdict=readme)
     print(f"written {page}")
 
 

@@ -150,3 +150,14 @@ def test_link_checker_sees_what_it_should(tmp_path):
                     "`[not](code.md)`\n\n```\n[nor](fenced.md)\n# not a heading\n```\n[web](https://x.org/a.md)\n")
     assert links(page) == ["x.md#how", "f.png"]
     assert anchors(page) == {"a", "a-1"}
+
+
+def test_the_readme_shows_each_benchmarks_verdict():
+    """Each block of the README's Targets holds the one line its benchmark wrote: the page it measured
+    and whether the target was met (benchmarks/common.py's write_page writes it; empty means the
+    benchmark has not run since the block was added)."""
+    text = README.read_text(encoding="utf-8")
+    blocks = re.findall(r"<!-- target ([\w-]+) -->\n(.*?)<!-- /target -->", text, re.S)
+    assert {name for name, _ in blocks} >= {"overhead", "goodput-search"}, blocks
+    for name, body in blocks:
+        assert re.fullmatch(rf"- \[[^\]]+\]\(docs/{name}\.md\): .*\*\*(met|NOT met)\*\*.*\n", body), (name, body)
