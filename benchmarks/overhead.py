@@ -165,8 +165,12 @@ def in_process_ratios(spec, info, work: Path, workers: int, rounds: int, block: 
 
 # -- where the machine's CPU goes while a side trains ----------------------------------------------
 
-def _process_kind(cmdline: str, name: str) -> str:
-    """A process by what it is: Ray's own processes by their role, training ranks, the rest."""
+def _process_kind(cmdline: str, name: str) -> str | None:
+    """A process by what it is: Ray's own processes by their role, training ranks, the rest. None for a
+    process that has ended and not yet been reaped (its command line is gone: its kind is what it was
+    seen as before)."""
+    if not cmdline:
+        return None
     if cmdline.startswith("ray::"):
         role = cmdline.split()[0][5:].split(".")[0]  # Ray retitles an actor's process with the method it runs
         return "training workers (Ray Train)" if role == "RayTrainWorker" else f"Ray: {role}"
@@ -179,8 +183,8 @@ def _process_kind(cmdline: str, name: str) -> str:
     return f"other: {name}"
 
 
-def _cpu_by_process() -> dict[str, tuple[str, float]]:
-    """pid -> (kind, CPU seconds so far), for every process readable in /proc."""
+def _cpu_by_process() -> dict[str, tuple[str | None, float]]:
+    """pid -> (kind or None, CPU seconds so far), for every process readable in /proc."""
     tick, out = os.sysconf("SC_CLK_TCK"), {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -218,14 +222,15 @@ def cpu_while(run, started, seconds: float) -> dict[str, float]:
     last = dict(first)
     while worker.is_alive() and time.perf_counter() - t0 < seconds:
         time.sleep(0.5)
-        last.update(_cpu_by_process())
+        # a process that ended keeps the kind it was last seen as (Ray retitles a worker as it goes)
+        last.update((pid, (kind or last.get(pid, (None,))[0], used)) for pid, (kind, used) in _cpu_by_process().items())
     wall = time.perf_counter() - t0
     worker.join()
     if failed:
         raise failed[0]
     share = collections.Counter()
     for pid, (kind, used) in last.items():
-        share[kind] += (used - (first[pid][1] if pid in first else 0.0)) / wall  # new ones: all in the window
+        share[kind or "other: ended before it was seen"] += (used - (first[pid][1] if pid in first else 0.0)) / wall  # new ones: all in the window
     return dict(share)
 
 

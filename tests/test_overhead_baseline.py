@@ -56,3 +56,24 @@ def test_plain_baselines_train_what_our_engines_train(info, tmp_path):
             ours, plain = out[name]["ours"], out[name]["plain"]
             assert ours[-1] < ours[0], name
             assert plain == pytest.approx(ours, rel=1e-5), name
+
+
+def test_the_cpu_sample_keeps_a_rank_that_ended_under_its_kind():
+    """benchmarks/overhead.py's CPU-by-process sample: a rank that burns a core, then ends while the
+    sample goes on and waits unreaped (its command line gone from /proc, as torchrun's ranks and Ray's
+    workers are at the end of a run), counts as a training rank, not as an unknown process."""
+    import subprocess
+    import time
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import overhead
+
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
+
+    def run():
+        proc = subprocess.Popen([sys.executable, "-c", busy, "torchrun_plain.py"])
+        time.sleep(2.5)  # it ends after about 1 s of CPU and stays a zombie until the wait below
+        proc.wait()
+
+    share = overhead.cpu_while(run, lambda: True, 10.0)
+    assert share.get("training ranks (torchrun)", 0.0) > 0.2, share  # ~1 s of CPU in a window of ~2.5 s
