@@ -14,7 +14,8 @@ DOCS = HERE.parent / "docs"
 README = HERE.parent / "README.md"
 
 sys.path.insert(0, str(HERE.parent))  # this checkout's package, installed or not
-from raytrain_par.provenance import (commit, machine, machine_text, markdown_table, provenance,  # noqa: E402,F401
+from raytrain_par.provenance import (commit, machine, machine_device, machine_text, markdown_table,  # noqa: E402,F401
+                                     provenance,
                                      table_cells)
 from raytrain_par.provenance import write_page as provenance_page  # noqa: E402
 
@@ -42,24 +43,26 @@ def write_page(name: str, title: str, body: str, out: str | None = None, verdict
     made = made or provenance()
     page = provenance_page(Path(out) if out else DOCS / f"{name}.md", title, body, made=made)
     if verdict is not None and out is None:
-        start, end = _target_marks(name)
         text = README.read_text()
-        i, j = text.index(start) + len(start), text.index(end, text.index(start))
-        m = made["machine"]
-        where = m.get("cuda") or f"{m.get('cpu_count')} CPU cores"
-        line = f"- [{title}](docs/{name}.md): {verdict} ({where}, {made['date'][:10]}, commit `{made['commit']}`)"
+        i, j = _target_block(text, name)
+        line = (f"- [{title}](docs/{name}.md): {verdict} ({machine_device(made['machine'])}, {made['date'][:10]}, "
+                f"commit `{made['commit']}`)")
         README.write_text(f"{text[:i]}\n{line}\n{text[j:]}")
     return page
 
 
-def _target_marks(name: str) -> tuple[str, str]:
-    return f"<!-- target {name} -->", "<!-- /target -->"
+def _target_block(text: str, name: str) -> tuple[int, int]:
+    """Where README.md's block for `name` starts (after its opening mark) and ends (at its closing mark)."""
+    start, end = f"<!-- target {name} -->", "<!-- /target -->"
+    i = text.find(start)
+    j = text.find(end, i) if i >= 0 else -1
+    if j < 0:
+        raise SystemExit(f"README.md has no `{start}` ... `{end}` block for this benchmark's verdict line; "
+                         f"fix: add one under '## Targets', or write the page elsewhere with --page")
+    return i + len(start), j
 
 
 def check_readme_target(name: str, out: str | None) -> None:
     """Before a benchmark that writes a verdict starts: README.md holds the block its line goes in."""
-    start, end = _target_marks(name)
-    text = README.read_text()
-    if out is None and (start not in text or end not in text[text.find(start):]):
-        raise SystemExit(f"README.md has no `{start}` ... `{end}` block for this benchmark's verdict line; "
-                         f"fix: add one under '## Targets', or write the page elsewhere with --page")
+    if out is None:
+        _target_block(README.read_text(), name)

@@ -223,14 +223,16 @@ def cpu_while(run, started, seconds: float) -> dict[str, float]:
     while worker.is_alive() and time.perf_counter() - t0 < seconds:
         time.sleep(0.5)
         # a process that ended keeps the kind it was last seen as (Ray retitles a worker as it goes)
-        last.update((pid, (kind or last.get(pid, (None,))[0], used)) for pid, (kind, used) in _cpu_by_process().items())
+        for pid, (kind, used) in _cpu_by_process().items():
+            last[pid] = (kind or last.get(pid, (None,))[0], used)
     wall = time.perf_counter() - t0
     worker.join()
     if failed:
         raise failed[0]
     share = collections.Counter()
     for pid, (kind, used) in last.items():
-        share[kind or "other: ended before it was seen"] += (used - (first[pid][1] if pid in first else 0.0)) / wall  # new ones: all in the window
+        # new ones: all in the window
+        share[kind or "other: ended before it was seen"] += (used - (first[pid][1] if pid in first else 0.0)) / wall
     return dict(share)
 
 

@@ -48,8 +48,13 @@ def provenance(command: str | None = None) -> dict:
             "machine": machine(), "command": command or " ".join(shlex.quote(x) for x in ["python", *sys.argv])}
 
 
+def machine_device(m: dict) -> str:
+    """What a `machine()` computed on: its GPU, or its CPU core count."""
+    return m.get("cuda") or f"{m.get('cpu_count')} CPU cores"
+
+
 def machine_text(m: dict) -> str:
-    where = m.get("cuda") or f"{m.get('cpu_count')} CPU cores ({m.get('processor')})"
+    where = machine_device(m) + ("" if m.get("cuda") else f" ({m.get('processor')})")
     return f"{where}, torch {m.get('torch')}, Python {m.get('python')}"
 
 
