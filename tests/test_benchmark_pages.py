@@ -59,3 +59,44 @@ def test_a_readme_without_the_block_is_refused_before_the_benchmark_runs(common,
     with pytest.raises(SystemExit, match=r"README.md has no `<!-- target speed -->` .* fix: add one under '## Targets'"):
         common.check_readme_target("speed", None)
     common.check_readme_target("speed", str(tmp_path / "page.md"))  # a page elsewhere writes no README line
+
+
+def _reference_records(noise) -> list[dict]:
+    """A reference at batch 16 whose loss falls from 9 to below log(80) over 200 steps, as measured
+    curves do: 90% of the way in the first 20 steps, the rest slowly; the noise scale noise(step) is
+    measured at each evaluation."""
+    import math
+    end = math.log(80) - 0.05
+
+    def way(s):
+        return 0.9 * s / 20 if s <= 20 else 0.9 + 0.1 * (s - 20) / 180
+    return [{"step": s, "global_batch_size": 16, "wall_time_s": 0.1 * s,
+             "val_perplexity": math.exp(9 - (9 - end) * way(s)),
+             "grad_noise_scale": noise(s) if s else None} for s in range(0, 201, 10)]
+
+
+@pytest.mark.parametrize("noise, saves", [(lambda s: 10.0, True), (lambda s: 1 + 40 * (s / 200) ** 3, False)],
+                         ids=["constant noise", "noise growing near the target"])
+def test_the_reference_fraction_page_ranks_batches_as_a_reference_stopped_short_would(common, tmp_path, monkeypatch,
+                                                                                    noise, saves):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raytrain_par.metrics.goodput import fit_reference
+    records = _reference_records(noise)
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "metrics.parquet")
+    spec = importlib.util.spec_from_file_location("reference_fraction", REPO / "benchmarks" / "reference_fraction.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out, page = tmp_path / "r.json", tmp_path / "page.md"
+    monkeypatch.setattr(sys, "argv", ["reference_fraction.py", "--records", str(tmp_path / "metrics.parquet"),
+                                      "--out", str(out), "--page", str(page)])
+    bench.main()
+    rows = __import__("json").loads(out.read_text())["fractions"]
+    whole = fit_reference(records, "val_perplexity", 80, "min")  # what plan computes
+    assert rows[-1]["fraction"] == 1 and rows[-1]["steps"] == pytest.approx(whole.steps)
+    assert rows[-1]["noise_scale"] == pytest.approx(whole.noise_scale)
+    assert [r["time_share"] for r in rows] == sorted(r["time_share"] for r in rows) and rows[-1]["time_share"] == 1
+    text = page.read_text()
+    assert ("From 25% of the way on" in text) is saves  # constant noise: any fraction ranks the batches alike
+    assert ("favours small batches" in text) is not saves
