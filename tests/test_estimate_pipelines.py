@@ -27,7 +27,9 @@ def _cases(workers: int, strategies: list[dict]) -> list[dict]:
 TWO = _cases(2, [{"name": "pipeline", "schedule": "gpipe", "microbatches": 4},
                  {"name": "pipeline", "schedule": "1f1b", "microbatches": 4},
                  {"name": "pipedream"},
-                 {"name": "pipeline", "schedule": "interleaved-1f1b", "microbatches": 4}])
+                 {"name": "pipeline", "schedule": "interleaved-1f1b", "microbatches": 4},
+                 {"name": "pipeline", "schedule": "zero-bubble", "microbatches": 4},
+                 {"name": "pipeline", "schedule": "zbv", "microbatches": 4}])
 FOUR = _cases(4, [{"name": "megatron", "tensor_parallel": 2, "stages": 2, "microbatches": 2},
                   {"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}])
 

@@ -196,7 +196,11 @@ class SavedActivations:
             self.peak = max(self.peak, self.now)
         else:
             entry[1] += 1
-        return _Saved(t, key, self)
+        # detached: a tensor an operation saves of its own output (softmax's, for one) refers back to that
+        # operation's node, and the node to what this hook returns; autograd breaks that cycle for the
+        # tensors it keeps itself, not for ours. Through a backward that keeps the graph (a split backward's
+        # input half) the node would never be freed, nor what it saved, step after step.
+        return _Saved(t.detach(), key, self)
 
     def _release(self, key: int) -> None:
         entry = self._live[key]

@@ -357,7 +357,9 @@ class Engine(ABC):
         if not self.measure_memory:
             return
         now = self.model_state()
-        if now["mem_model_state_bytes"] >= self._peak_state.get("mem_model_state_bytes", -1):
+        # the allocator's count less its count at start can be negative (memory freed since that had
+        # been allocated before the engine): the first snapshot is kept whatever its sign
+        if not self._peak_state or now["mem_model_state_bytes"] >= self._peak_state["mem_model_state_bytes"]:
             self._peak_state = now
 
     # -- the gradient noise scale (metrics/goodput.py) -------------------------------------------
