@@ -7,33 +7,30 @@ stages) next to GPipe's ideal (P - 1) / (M + P - 1), and per stage the parameter
 activation bytes autograd held. The synchronous schedules compute the same thing: their last losses
 must agree (to 1e-4).
 
-    python benchmarks/pipeline.py                         # P = 2, 4 on the CPU (gloo)
+    python benchmarks/pipeline.py                         # P = 2, 4 on the CPU (gloo): docs/pipelines.md
     python benchmarks/pipeline.py --stages 4 8 --device cuda --n-layer 24 --n-embd 1024 --batch 64
 
 On a machine with fewer cores than P the processes share cores, and a rank that waits lends its
 core to the others: measured bubbles there say more about the machine than about the schedule.
+Beside each stage's measured activations, what `raytrain-par estimate` predicts for it. Writes
+benchmarks/results/pipeline.json and docs/pipelines.md (`--page` elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from common import markdown_table, print_table, provenance, write_json, write_page
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from raytrain_par import config, estimate, models, strategies
+from raytrain_par.data.shards import DatasetInfo
+from raytrain_par.local_group import run_ranks
+from raytrain_par.strategies import DistContext
 
-from raytrain_par import config, models, strategies  # noqa: E402
-from raytrain_par.data.shards import DatasetInfo  # noqa: E402
-from raytrain_par.local_group import run_ranks  # noqa: E402
-from raytrain_par.strategies import DistContext  # noqa: E402
-
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "pipedream"]
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "pipedream"]
 
 
 def _spec(args, stages: int, schedule: str) -> dict:
@@ -52,8 +49,7 @@ def _spec(args, stages: int, schedule: str) -> dict:
 def _worker(rank: int, world: int, args, spec_dict: dict) -> dict:
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     spec = config.from_dict(spec_dict)
-    info = DatasetInfo(name="random", kind="text", train_path="", val_path="", num_train=0, num_val=0,
-                       seq_len=args.seq_len, vocab_size=args.vocab)
+    info = _info(args)
     model, task = models.build(spec.model, info, 0)
     steps = args.warmup + args.steps
     # one step more than run: pipedream drains its pipeline in its last step, outside what is timed
@@ -74,6 +70,11 @@ def _worker(rank: int, world: int, args, spec_dict: dict) -> dict:
     return {"losses": losses, "step_s": sum(times[args.warmup:]) / args.steps, "memory": engine.memory()}
 
 
+def _info(args) -> DatasetInfo:
+    return DatasetInfo(name="random", kind="text", train_path="", val_path="", num_train=0, num_val=0,
+                       seq_len=args.seq_len, vocab_size=args.vocab)
+
+
 def run(args, stages: int, schedule: str) -> dict:
     spec_dict = config.parse(_spec(args, stages, schedule)).to_dict()  # invalid options fail here, not in a worker
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
@@ -86,7 +87,15 @@ def run(args, stages: int, schedule: str) -> dict:
             "bubble": mem["bubble_fraction"], "bubble_per_stage": mem["stage_bubble_fraction"],
             "bubble_ideal": (stages - 1) / (m + stages - 1), "layers_per_stage": mem["stage_layers"],
             "param_bytes_per_stage": mem["stage_param_bytes"], "activation_bytes_per_stage": mem["stage_activation_bytes"],
-            "stash_bytes_per_stage": mem.get("stage_stash_bytes"), "losses": first["losses"]}
+            "stash_bytes_per_stage": mem.get("stage_stash_bytes"), "losses": first["losses"],
+            "estimated_activation_bytes_per_stage": _estimated(config.from_dict(spec_dict), _info(args))}
+
+
+def _estimated(spec, info) -> list[float]:
+    """`estimate`'s activations per pipeline stage, in the order the engine records its stages (a
+    pipeline rank's stages in the order it holds them)."""
+    ranks = estimate.pipeline_ranks(spec, info)
+    return [r.activations for r in ranks]
 
 
 def main() -> None:
@@ -106,7 +115,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--backend", choices=["gloo", "nccl"])
-    p.add_argument("--out", default="results/bench/pipeline.json")
+    p.add_argument("--out", help="JSON file (default benchmarks/results/pipeline.json)")
+    p.add_argument("--page", help="Markdown page (default docs/pipelines.md)")
     args = p.parse_args()
 
     rows = []
@@ -120,20 +130,42 @@ def main() -> None:
         sync = [r["losses"][-1] for r in rows if r["stages"] == stages and r["schedule"] != "pipedream"]
         assert max(sync) - min(sync) < 1e-4, f"P={stages}: synchronous schedules disagree: {sync}"
 
-    head = ["P", "schedule", "M", "ms/step", "bubble", "ideal", "stage params MiB", "stage activations MiB"]
-    table = [[str(r["stages"]), r["schedule"], str(r["microbatches"]), f"{r['step_s'] * 1000:.0f}", f"{r['bubble']:.2f}",
-              f"{r['bubble_ideal']:.2f}", " ".join(f"{b / 2**20:.1f}" for b in r["param_bytes_per_stage"]),
-              " ".join(f"{b / 2**20:.1f}" for b in r["activation_bytes_per_stage"])] for r in rows]
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(head)]
+    made = provenance()
+    print(f"written {write_json('pipeline', {'args': vars(args), 'runs': rows}, args.out, made)}")
+    render(rows, args, args.page, made)
+
+
+def _mib(values) -> str:
+    return " / ".join(f"{b / 2**20:.1f}" for b in values)
+
+
+def render(rows: list[dict], args, page: str | None, made: dict) -> None:
+    head = ["P", "schedule", "M", "ms/step", "bubble (measured)", "ideal (P-1)/(M+P-1)", "parameters per stage, MiB",
+            "activations per stage, MiB", "estimated, MiB"]
+    table = [[r["stages"], r["schedule"], r["microbatches"], f"{r['step_s'] * 1000:.0f}", f"{r['bubble']:.2f}",
+              f"{r['bubble_ideal']:.2f}", _mib(r["param_bytes_per_stage"]), _mib(r["activation_bytes_per_stage"]),
+              _mib(r["estimated_activation_bytes_per_stage"])] for r in rows]
     print()
-    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-    for t in table:
-        print("  ".join(c.ljust(w) for c, w in zip(t, widths)))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"cpus": os.cpu_count(), "device": args.device, "torch": torch.__version__}
-    out.write_text(json.dumps({"args": vars(args), "machine": machine, "runs": rows}, indent=1))
-    print(f"\nwritten to {out}")
+    print_table(head, table)
+    off = [(r, m / e - 1) for r in rows for m, e in zip(r["activation_bytes_per_stage"],
+                                                        r["estimated_activation_bytes_per_stage"]) if e]
+    worst, gap = max(off, key=lambda x: abs(x[1])) if off else (None, 0.0)
+    largest = {p: max(r["param_bytes_per_stage"]) for r in rows if r["schedule"] == "1f1b" for p in [r["stages"]]}
+    text = (f"A GPT-2 ({args.model}, {args.n_layer} blocks of width {args.n_embd}, vocabulary {args.vocab}, "
+            f"{args.seq_len} tokens per row, batch {args.batch}) under each schedule on {args.device}, "
+            f"{args.steps} timed steps after {args.warmup}; M microbatches per step (PipeDream the same M). "
+            "The synchronous schedules reach the same loss (checked to 1e-4). Activations are the saved-activation "
+            "tracker's peak per stage; `estimated` is what `raytrain-par estimate` predicts for that stage"
+            + (f", at most {abs(gap):.0%} off ({worst['schedule']}, P = {worst['stages']})." if worst else ".")
+            + " Step times and bubbles on a machine with fewer cores than P say more about the machine than about "
+              "the schedule: a waiting rank lends its core to the others.\n\n"
+            + markdown_table(head, table) + "\n")
+    if len(largest) > 1:
+        fewest, most = min(largest), max(largest)
+        text += (f"\nGoing from {fewest} to {most} stages shrinks the largest stage's parameters only from "
+                 f"{largest[fewest] / 2**20:.1f} to {largest[most] / 2**20:.1f} MiB (1F1B's split): the embedding and "
+                 "the LM head's copy stay whole on the first and last stage.\n")
+    print(f"written {write_page('pipelines', 'Pipeline schedules: step time, bubble and memory per stage', text, page, made=made)}")
 
 
 if __name__ == "__main__":
