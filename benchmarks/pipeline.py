@@ -28,6 +28,7 @@ from common import markdown_table, print_table, provenance, write_json, write_pa
 from raytrain_par import config, estimate, models, strategies
 from raytrain_par.data.shards import DatasetInfo
 from raytrain_par.local_group import run_ranks
+from raytrain_par.metrics.records import mib
 from raytrain_par.strategies import DistContext
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "pipedream"]
@@ -136,7 +137,7 @@ def main() -> None:
 
 
 def _mib(values) -> str:
-    return " / ".join(f"{b / 2**20:.1f}" for b in values)
+    return " / ".join(mib(b) for b in values)
 
 
 def render(rows: list[dict], args, page: str | None, made: dict) -> None:
@@ -150,7 +151,7 @@ def render(rows: list[dict], args, page: str | None, made: dict) -> None:
     off = [(r, m / e - 1) for r in rows for m, e in zip(r["activation_bytes_per_stage"],
                                                         r["estimated_activation_bytes_per_stage"]) if e]
     worst, gap = max(off, key=lambda x: abs(x[1])) if off else (None, 0.0)
-    largest = {p: max(r["param_bytes_per_stage"]) for r in rows if r["schedule"] == "1f1b" for p in [r["stages"]]}
+    largest = {r["stages"]: max(r["param_bytes_per_stage"]) for r in rows if r["schedule"] == "1f1b"}
     text = (f"A GPT-2 ({args.model}, {args.n_layer} blocks of width {args.n_embd}, vocabulary {args.vocab}, "
             f"{args.seq_len} tokens per row, batch {args.batch}) under each schedule on {args.device}, "
             f"{args.steps} timed steps after {args.warmup}; M microbatches per step (PipeDream the same M). "
@@ -163,7 +164,7 @@ def render(rows: list[dict], args, page: str | None, made: dict) -> None:
     if len(largest) > 1:
         fewest, most = min(largest), max(largest)
         text += (f"\nGoing from {fewest} to {most} stages shrinks the largest stage's parameters only from "
-                 f"{largest[fewest] / 2**20:.1f} to {largest[most] / 2**20:.1f} MiB (1F1B's split): the embedding and "
+                 f"{mib(largest[fewest])} to {mib(largest[most])} MiB (1F1B's split): the embedding and "
                  "the LM head's copy stay whole on the first and last stage.\n")
     print(f"written {write_page('pipelines', 'Pipeline schedules: step time, bubble and memory per stage', text, page, made=made)}")
 

@@ -123,7 +123,7 @@ def main() -> None:
     else:
         with ray_cluster(ref):
             records = run_experiment(ref).records
-    batches = sorted({sweep.trial_spec(pt).train.global_batch_size for pt in sweep.points})
+    batches = sweep.global_batches()
     small, large = batches[0], batches[-1]
     rows = at_fractions(records, sweep.metric, sweep.target, sweep.mode, [small, large])
     m0 = rows[-1]["reference_batch"]

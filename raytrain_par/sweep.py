@@ -97,6 +97,10 @@ class Plan:
     def trial_spec(self, overrides: dict) -> ExperimentSpec:
         return trial_spec(self.base, self.sweep, overrides)
 
+    def global_batches(self) -> list[int]:
+        """The global batch sizes the points train with, smallest first."""
+        return sorted({self.trial_spec(pt).train.global_batch_size for pt in self.points})
+
 
 def trial_spec(base: dict, sweep: SweepSpec, overrides: dict) -> ExperimentSpec:
     """The experiment of one trial: base + overrides (+ the learning-rate rule)."""
@@ -248,7 +252,7 @@ def check_goodput(p: Plan, who: str) -> None:
     if p.sweep.random:
         raise ConfigError("sweep.random", p.sweep.random, f"{who} predicts grid points; it samples nothing",
                           "move the values to sweep.grid as lists")
-    batches = sorted({p.trial_spec(pt).train.global_batch_size for pt in p.points})
+    batches = p.global_batches()
     if len(batches) < 2:
         raise ConfigError("sweep.grid.train.global_batch_size", batches,
                           f"{who} compares batch sizes and the search space has one",

@@ -2,6 +2,8 @@
 whether the benchmark's target was met (benchmarks/common.py)."""
 
 import importlib.util
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -65,7 +67,6 @@ def _reference_records(noise) -> list[dict]:
     """A reference at batch 16 whose loss falls from 9 to below log(80) over 200 steps, as measured
     curves do: 90% of the way in the first 20 steps, the rest slowly; the noise scale noise(step) is
     measured at each evaluation."""
-    import math
     end = math.log(80) - 0.05
 
     def way(s):
@@ -92,7 +93,7 @@ def test_the_reference_fraction_page_ranks_batches_as_a_reference_stopped_short_
     monkeypatch.setattr(sys, "argv", ["reference_fraction.py", "--records", str(tmp_path / "metrics.parquet"),
                                       "--out", str(out), "--page", str(page)])
     bench.main()
-    rows = __import__("json").loads(out.read_text())["fractions"]
+    rows = json.loads(out.read_text())["fractions"]
     whole = fit_reference(records, "val_perplexity", 80, "min")  # what plan computes
     assert rows[-1]["fraction"] == 1 and rows[-1]["steps"] == pytest.approx(whole.steps)
     assert rows[-1]["noise_scale"] == pytest.approx(whole.noise_scale)
