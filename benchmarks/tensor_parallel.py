@@ -12,14 +12,14 @@ ring all-reduce moves per worker: 2 (n - 1) / n times the payload (the paper's 8
     python benchmarks/tensor_parallel.py --device cuda --model gpt2-medium --batch 32 --seq-len 1024
 
 Each layout runs in its own process group (torch.multiprocessing, no Ray), all ranks on this machine.
-Prints a table and writes JSON (default results/benchmarks/tensor_parallel.json).
+Prints a table and writes benchmarks/results/tensor_parallel.json and docs/tensor-parallel.md (`--out`,
+`--page` elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -39,6 +39,8 @@ from raytrain_par.metrics.memory import SavedActivations  # noqa: E402
 from raytrain_par.metrics.records import mib  # noqa: E402
 from raytrain_par.strategies import DistContext  # noqa: E402
 
+from common import markdown_table, print_table, provenance, write_json, write_page  # noqa: E402
+
 # (label, strategy, workers)
 LAYOUTS = [
     ("ddp x1", {"name": "ddp"}, 1),
@@ -51,11 +53,18 @@ LAYOUTS = [
 ]
 
 
-def _count_ddp(counter: dict, bucket):
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+def _count_ddp(counter: dict):
+    """Count the bytes of every bucket DDP all-reduces: the DDP engine registers its own comm hook (it
+    takes each worker's gradient norm there) and a DDP model takes one hook only, so the count wraps
+    the default all-reduce hook that one calls."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    counter["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
-    return allreduce_hook(None, bucket)
+    inner = default_hooks.allreduce_hook
+
+    def counted(process_group, bucket):
+        counter["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+        return inner(process_group, bucket)
+    default_hooks.allreduce_hook = counted
 
 
 def measure(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: int, device_type: str) -> dict:
@@ -64,10 +73,10 @@ def measure(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: int,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model, task = models.build(spec.model, info, spec.train.seed)
-    engine = strategies.build_engine(spec.strategy, model, task, spec.train, DistContext.current(device), steps)
     ddp_bytes = {"bytes": 0}
     if spec.strategy.name == "ddp" and world > 1:
-        engine.module.register_comm_hook(ddp_bytes, _count_ddp)
+        _count_ddp(ddp_bytes)  # this process runs one layout: the wrapper goes with it
+    engine = strategies.build_engine(spec.strategy, model, task, spec.train, DistContext.current(device), steps)
     loader = MemoryLoader(read_split(info, info.train_path), spec.train.global_batch_size, engine.dp_rank,
                           engine.dp_size, spec.train.seed)
     times, activations = [], None
@@ -122,7 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--layouts", default=",".join(label for label, _, _ in LAYOUTS),
                    help="comma-separated subset of: " + ", ".join(label for label, _, _ in LAYOUTS))
-    p.add_argument("--out", default="results/benchmarks/tensor_parallel.json")
+    p.add_argument("--out", help="JSON file (default benchmarks/results/tensor_parallel.json)")
+    p.add_argument("--page", help="Markdown page (default docs/tensor-parallel.md)")
     args = p.parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
     info = data.prepare(config.DataSpec(name="kjv", seq_len=args.seq_len, vocab_size=config.DEFAULT_VOCAB_SIZE), log=lambda *_: None)
@@ -148,25 +158,75 @@ def main(argv=None) -> int:
                 best[label] = row
             print(f"[{repeat + 1}/{args.repeats}] {label}: {row['step_time_s'] * 1000:.0f} ms/step", flush=True)
     rows = list(best.values())
-    head = ["layout", "ms/step", "params MiB", "states MiB", "activ MiB", "peak MiB", "TP allreduce MiB",
-            "paper 4Lbsh MiB", "TP formula MiB", "DP allreduce MiB", "DP formula MiB", "wire MiB/worker"]
-    table = [[r["layout"], f"{r['step_time_s'] * 1000:.0f}", mib(r["mem_param_bytes"]), mib(r["mem_model_state_bytes"]),
-              mib(r["mem_activation_bytes"]), mib(r["mem_peak_bytes"]), mib(r["tp_allreduce_bytes"]),
-              mib(r["paper_tp_layer_bytes"]), mib(r["tp_formula_bytes"]), mib(r["dp_allreduce_bytes"]),
-              mib(r["dp_formula_bytes"]), mib(r["wire_bytes_per_worker"])] for r in rows]
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(head)]
-    print(f"\n{args.model}, global batch {args.batch} x {args.seq_len} tokens, {args.device}/{backend}, "
-          f"per worker (largest), bytes per step")
-    print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
-    for t in table:
-        print("  ".join(c.rjust(w) for c, w in zip(t, widths)))
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"model": args.model, "global_batch": args.batch, "seq_len": args.seq_len,
-                                "device": args.device, "steps": args.steps, "repeats": args.repeats,
-                                "rows": rows}, indent=1))
-    print(f"\nwrote {path}")
+    made = provenance()
+    print(f"written {write_json('tensor_parallel', {'args': vars(args), 'rows': rows}, args.out, made)}")
+    sizes = gpt2.sizes(args.model, config.from_dict(next(iter(specs.values()))).model.options)
+    render(rows, args, sizes, args.page, made)
     return 0
+
+
+HEAD = ["layout", "workers", "ms/step", "params", "model states", "activations", "peak", "TP all-reduce",
+        "paper 4·L·b·s·h", "TP formula", "DP all-reduce", "DP formula", "ring wire / worker"]
+
+
+def render(rows: list[dict], args, sizes: dict, page: str | None, made: dict) -> None:
+    table = [[r["layout"], r["workers"], f"{r['step_time_s'] * 1000:.0f}", mib(r["mem_param_bytes"]),
+              mib(r["mem_model_state_bytes"]), mib(r["mem_activation_bytes"]), mib(r["mem_peak_bytes"]),
+              mib(r["tp_allreduce_bytes"]), mib(r["paper_tp_layer_bytes"]), mib(r["tp_formula_bytes"]),
+              mib(r["dp_allreduce_bytes"]), mib(r["dp_formula_bytes"]), mib(r["wire_bytes_per_worker"])] for r in rows]
+    print(f"\n{args.model}, global batch {args.batch} x {args.seq_len} tokens, {args.device}, "
+          "per worker (largest), MiB per step")
+    print_table(HEAD, table)
+    text = (f"`{args.model}` ({sizes['n_layer']} layers, width {sizes['n_embd']}, {sizes['n_head']} heads), "
+            f"global batch {args.batch} × {args.seq_len} tokens, AdamW, fp32, on {args.device}; {args.steps} steps "
+            f"per layout (the first not timed), the fastest of {args.repeats} run(s) of each. Memory in MiB per "
+            "worker (the largest); activations are the saved-activation tracker's peak on the second step; peak is "
+            "the process's. All-reduce payload in MiB per worker and step, counted on every all-reduce. \"paper\" is "
+            "Megatron's count for the transformer layers (4 all-reduces of b·s·h per layer, b the rows of one "
+            "data-parallel slice); \"TP formula\" adds the vocabulary-parallel embedding (forward) and LM head "
+            "(backward), b·s·h each, and the cross-entropy's 3 floats per token; \"DP formula\" is every local "
+            "gradient once; \"ring wire\" is 2(n − 1)/n × payload, what a ring all-reduce sends per worker (the "
+            "paper's 8·b·s·h·(t − 1)/t per layer).\n\n" + markdown_table(HEAD, table) + "\n\n"
+            + "\n".join(f"- {line}" for line in findings(rows, args, sizes)) + "\n")
+    print(f"written {write_page('tensor-parallel', 'Tensor parallel against data parallel: memory, all-reduce volume, step time', text, page, made=made)}")
+
+
+def findings(rows: list[dict], args, sizes: dict) -> list[str]:
+    """What the table shows, read off the rows (a row that was not run leaves its sentence out)."""
+    by = {r["layout"]: r for r in rows}
+    tp = [by[f"megatron T={t}"] for t in (1, 2, 4) if f"megatron T={t}" in by]
+    out = []
+    if len(tp) > 1:
+        out.append("Parameters per worker (and with them gradients and AdamW state) against T: "
+                   + " → ".join(f"{mib(r['mem_param_bytes'])} (T = {r['tp_size']})" for r in tp)
+                   + " MiB; what stays whole is the position embedding and the layer norms.")
+    if "megatron T=1" in by and "megatron T=2" in by:
+        a1, a2 = by["megatron T=1"]["mem_activation_bytes"], by["megatron T=2"]["mem_activation_bytes"]
+        b, s, h, n_layer = args.batch, args.seq_len, sizes["n_embd"], sizes["n_layer"]
+        whole = 4 * (4 * n_layer + 2) * b * s * h
+        out.append(f"Activations do not fall with T as parameters do: {mib(a1)} MiB at T = 1, {mib(a2)} at T = 2. "
+                   f"If a part W stays whole and the rest halves, 2·A(2) − A(1) = W = {mib(2 * a2 - a1)} MiB; the "
+                   f"inputs and outputs of the 2L + 1 layer norms, (4L + 2)·b·s·h floats, are {mib(whole)} MiB "
+                   "here. That is the part Megatron's later sequence parallelism splits. Data parallel divides "
+                   "activations instead (smaller slices of the batch) and keeps every parameter.")
+    split = [r for r in rows if r["tp_size"] > 1]
+    if split:
+        exact = all(r["tp_allreduce_bytes"] == r["tp_formula_bytes"] for r in split)
+        out.append("The measured tensor-parallel all-reduce volume "
+                   + ("equals the formula to the byte in every layout" if exact else
+                      "differs from the formula in " + ", ".join(r["layout"] for r in split
+                                                                  if r["tp_allreduce_bytes"] != r["tp_formula_bytes"]))
+                   + " (`tests/test_megatron.py` asserts it too). It does not shrink with T, and the ring traffic "
+                     "per worker grows as 2(t − 1)/t.")
+    if "ddp x2" in by and "megatron T=2" in by:
+        d, m = by["ddp x2"], by["megatron T=2"]
+        out.append(f"On two workers, megatron T = 2 took {m['step_time_s'] / d['step_time_s']:.2f}× DDP's step time "
+                   f"({m['step_time_s'] * 1000:.0f} against {d['step_time_s'] * 1000:.0f} ms), all-reducing "
+                   f"{mib(m['tp_allreduce_bytes'])} MiB of activations per step against DDP's one "
+                   f"{mib(d['dp_allreduce_bytes'])} MiB gradient all-reduce. On CPU, where every rank shares this "
+                   "machine's cores and gloo's all-reduces, step times say more about the machine than about the "
+                   "layout; the comparison that matters for large models needs GPUs (`--device cuda`, NCCL) and a model that does not fit one worker.")
+    return out
 
 
 if __name__ == "__main__":

@@ -101,3 +101,33 @@ def test_the_reference_fraction_page_ranks_batches_as_a_reference_stopped_short_
     text = page.read_text()
     assert ("From 25% of the way on" in text) is saves  # constant noise: any fraction ranks the batches alike
     assert ("favours small batches" in text) is not saves
+
+
+def _tp_row(layout, workers, tp, dp, params, activations, tp_bytes, tp_formula, step=1.0):
+    return {"layout": layout, "workers": workers, "step_time_s": step, "mem_param_bytes": params,
+            "mem_model_state_bytes": 4 * params, "mem_activation_bytes": activations, "mem_peak_bytes": 10 * params,
+            "tp_allreduce_bytes": tp_bytes, "dp_allreduce_bytes": params if dp > 1 else 0, "tp_size": tp,
+            "dp_size": dp, "paper_tp_layer_bytes": tp_formula, "tp_formula_bytes": tp_formula,
+            "dp_formula_bytes": params if dp > 1 else 0, "wire_bytes_per_worker": tp_formula}
+
+
+@pytest.mark.parametrize("measured, says", [(36 << 20, "equals the formula to the byte"),
+                                            (35 << 20, "differs from the formula in megatron T=2")])
+def test_the_tensor_parallel_page_reads_its_findings_off_the_rows(common, tmp_path, measured, says):
+    from types import SimpleNamespace
+    spec = importlib.util.spec_from_file_location("tensor_parallel", REPO / "benchmarks" / "tensor_parallel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    mb = 1 << 20
+    rows = [_tp_row("ddp x2", 2, 1, 2, 20 * mb, 146 * mb, 0, 0, step=0.5),
+            _tp_row("megatron T=1", 1, 1, 1, 20 * mb, 292 * mb, 0, 0),
+            _tp_row("megatron T=2", 2, 2, 1, 10 * mb, 164 * mb, measured, 36 * mb, step=2.0)]
+    args = SimpleNamespace(model="gpt2-mini", batch=16, seq_len=128, device="cpu", steps=6, repeats=1)
+    page = tmp_path / "tp.md"
+    bench.render(rows, args, {"n_layer": 4, "n_embd": 256, "n_head": 4}, str(page), common.provenance())
+    text = page.read_text()
+    assert says in text
+    assert "2·A(2) − A(1) = W = 36.0 MiB" in text  # 2 x 164 - 292
+    assert "(4L + 2)·b·s·h floats, are 36.0 MiB" in text  # 4 bytes x 18 x 16 x 128 x 256
+    assert "megatron T = 2 took 4.00× DDP's step time" in text
+    assert "| megatron T=2 | 2 | 2000 | 10.0 |" in text
