@@ -97,14 +97,16 @@ class RankEstimate:
         return self.states.expected - self.states.offloaded + self.activations + self.gathered
 
 
-def _stage_activations(s: config.ExperimentSpec, info, cls, ranges, outputs, rows: int) -> dict[int, float]:
-    """Bytes autograd saves in each stage for one microbatch of `rows` rows: the stages' layers run one
-    after the other on fake tensors (as `activation_bytes`), each storage counted in the stage that
-    saves it first; between stages the output is copied into a tensor of its own, as the receiving
-    stage's buffer is."""
+def _stage_activations(s: config.ExperimentSpec, info, cls, ranges, outputs,
+                       rows: int) -> tuple[dict[int, float], float]:
+    """Bytes autograd saves in each stage for one microbatch of `rows` rows, and of those the bytes the
+    last stage's loss saves (above the stage's own graph: a split backward's input half frees them).
+    The stages' layers run one after the other on fake tensors (as `activation_bytes`), each storage
+    counted in the stage that saves it first; between stages the output is copied into a tensor of its
+    own, as the receiving stage's buffer is."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    saved: dict[int, float] = dict.fromkeys(range(len(ranges)), 0.0)
+    saved: dict[int, float] = dict.fromkeys(range(len(ranges) + 1), 0.0)  # the last key: the loss
     seen: set[int] = set()
     stage = 0
     with FakeTensorMode():
@@ -113,11 +115,14 @@ def _stage_activations(s: config.ExperimentSpec, info, cls, ranges, outputs, row
         layers, loss = cls.estimate_stage_inputs(model, task, s.strategy.options)
         seen.update(p.untyped_storage()._cdata for p in model.parameters())
 
+        kept = []  # every saved tensor alive to the end: a freed storage's key could be handed to a new one
+
         def pack(t):
             key = t.untyped_storage()._cdata
             if key not in seen:
                 seen.add(key)
                 saved[stage] += t.untyped_storage().nbytes()
+            kept.append(t)
             return t
 
         prepared = task.prepare(_fake_batch(info, rows), torch.device("cpu"))
@@ -131,8 +136,11 @@ def _stage_activations(s: config.ExperimentSpec, info, cls, ranges, outputs, row
                 for layer in layers[a:b]:
                     x = layer(x)
                 x = x.to(outputs[stage][1]) if x.is_floating_point() else x
+            stage = len(ranges)
             loss(x, prepared[task.label_key])
-    return saved
+    lost = saved.pop(len(ranges))
+    saved[len(ranges) - 1] += lost
+    return saved, lost
 
 
 def pipeline_ranks(s: config.ExperimentSpec, info) -> list[RankEstimate]:
@@ -152,14 +160,15 @@ def pipeline_ranks(s: config.ExperimentSpec, info) -> list[RankEstimate]:
     params = {i: models.parameter_count_of(p for layer in layers[a:b] for p in layer.parameters())
               for i, (a, b) in enumerate(ranges)}
     rows = max(1, s.per_worker_batch // s.train.gradient_accumulation_steps // pipe.num_microbatches)
-    one = _stage_activations(s, info, cls, ranges, outputs, rows)
+    one, loss_one = _stage_activations(s, info, cls, ranges, outputs, rows)
     if s.train.precision == "fp32":
-        micro, fixed = one, dict.fromkeys(one, 0.0)
+        micro, fixed, loss = one, dict.fromkeys(one, 0.0), loss_one
     else:
-        two = _stage_activations(s, info, cls, ranges, outputs, 2 * rows)
+        two, loss_two = _stage_activations(s, info, cls, ranges, outputs, 2 * rows)
         micro = {i: two[i] - one[i] for i in one}
         fixed = {i: max(0.0, 2 * one[i] - two[i]) for i in one}
-    return [RankEstimate(*cls.estimate_rank(pipe, s.train, s.layout.data, p, params, micro, fixed))
+        loss = loss_two - loss_one
+    return [RankEstimate(*cls.estimate_rank(pipe, s.train, s.layout.data, p, params, micro, fixed, loss))
             for p in range(pipe.stages)]
 
 

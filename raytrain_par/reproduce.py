@@ -18,6 +18,7 @@ import difflib
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import time
@@ -74,7 +75,6 @@ class Finding:
     judge: Callable[[list[dict], list[dict]], Verdict]
     report_figures: tuple[str, ...] = ()   # of `raytrain-par report`'s figures, those the page shows
     bars: str | None = None                # a bar chart of memory per worker, drawn here
-    minutes_here: float | None = None      # measured on this project's 2-core CPU machine
 
 
 def sweep_override(**sweep) -> str:
@@ -339,7 +339,7 @@ FINDINGS: dict[str, Finding] = {f.name: f for f in [
         Setting("strategies.yaml", ("train.max_steps=30", "train.eval_every_steps=10",
                                     sweep_override(grid={"strategy": DATA_PARALLEL}))),
         Setting("paper/strategies-gpt2-medium.yaml", (sweep_override(grid={"strategy": DATA_PARALLEL}),)),
-        judge_identical, report_figures=("convergence_epochs.png",), minutes_here=4.2),
+        judge_identical, report_figures=("convergence_epochs.png",)),
     Finding(
         "scaling", "time falls with the number of workers",
         "With data parallelism (DDP and ZeRO), time per epoch and time to a target quality fall as workers are "
@@ -355,7 +355,7 @@ FINDINGS: dict[str, Finding] = {f.name: f for f in [
             "train.optimizer=adamw", "train.lr=3.0e-4",   # ZeRO splits tensors, which LAMB needs whole
             sweep_override(grid={"strategy.name": ["ddp", "zero-2"]}, cases=[
                 {"scaling.num_workers": n, "train.global_batch_size": 32 * n} for n in (1, 2, 4, 8, 16, 32, 64)]))),
-        judge_scaling, report_figures=("epoch_time.png", "convergence_wall_time.png"), minutes_here=7.4),
+        judge_scaling, report_figures=("epoch_time.png", "convergence_wall_time.png")),
     Finding(
         "staleness", "PipeDream's weight staleness slows convergence",
         "PipeDream's asynchronous pipeline updates weights with gradients computed on stale weights, and converges "
@@ -368,7 +368,7 @@ FINDINGS: dict[str, Finding] = {f.name: f for f in [
                                                 {"name": "pipeline", "stages": 2, "schedule": "1f1b"},
                                                 {"name": "pipedream", "stages": 2}]}))),
         Setting("paper/gpt2-medium-pipeline.yaml", ("sweep.max_concurrent_trials=1",)),
-        judge_staleness, report_figures=("convergence_epochs.png", "convergence_wall_time.png"), minutes_here=6.3),
+        judge_staleness, report_figures=("convergence_epochs.png", "convergence_wall_time.png")),
     Finding(
         "zero-memory", "ZeRO cuts memory per GPU by 42–66% against data parallel",
         "ZeRO reduces the memory each GPU holds by 42–66% against data parallel, at no cost in speed.",
@@ -378,7 +378,7 @@ FINDINGS: dict[str, Finding] = {f.name: f for f in [
                                      sweep_override(grid={"strategy.name": ["ddp", "zero-1", "zero-2", "zero-3", "fsdp"],
                                                           "scaling.num_workers": [2, 4]}))),
         Setting("paper/zero-memory.yaml", ()),
-        judge_zero_memory, report_figures=(), bars="zero", minutes_here=9.9),
+        judge_zero_memory, report_figures=(), bars="zero"),
     Finding(
         "megatron-memory", "Megatron's memory against tensor-parallel degree is U-shaped",
         "Megatron's memory per GPU against the tensor-parallel degree is U-shaped (it falls, then rises as the "
@@ -395,7 +395,7 @@ FINDINGS: dict[str, Finding] = {f.name: f for f in [
             {"strategy": {"name": "megatron", "tensor_parallel": t}, "scaling.num_workers": n}
             for t, n in ((1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (4, 16))] + [
             {"strategy": {"name": "ddp"}, "scaling.num_workers": 16}]))),
-        judge_megatron, report_figures=(), bars="megatron", minutes_here=3.1),
+        judge_megatron, report_figures=(), bars="megatron"),
 ]}
 
 
@@ -589,10 +589,24 @@ def run_finding(pl: Planned, out: Path, address: str | None = None, log=say) -> 
     return page, verdict, minutes
 
 
+_RUN = re.compile(r"Written by `[^`]*` on (?P<date>\S+) [^,]*, commit `(?P<commit>[^`]+)`, on (?P<machine>[^(,]+?) \(")
+_TOOK = re.compile(r"(?P<trials>\d+) trials in (?P<minutes>[\d.]+) minutes of wall-clock time")
+
+
+def last_run(name: str, out: Path = REPO / "docs" / "results") -> str:
+    """How long the finding took when its page in `out` was written, read off that page (the run
+    wrote both figures): 'N min (machine, date, commit)', or that it has not run there."""
+    page = out / name / "index.md"
+    text = page.read_text(encoding="utf-8") if page.exists() else ""
+    run, took = _RUN.search(text), _TOOK.search(text)
+    if not (run and took):
+        return "not run yet"
+    return f"{float(took['minutes']):.0f} min ({run['machine']}, {run['date']}, commit {run['commit']})"
+
+
 def list_text() -> str:
-    rows = [[f.name, f.runs, f"{f.minutes_here:.0f} min" if f.minutes_here else "not measured yet",
-             f"experiments/{f.paper.experiment}"] for f in FINDINGS.values()]
-    head = ["finding", "runs (CPU-sized)", "here (2 CPU cores)", "--paper"]
+    rows = [[f.name, f.runs, last_run(f.name), f"experiments/{f.paper.experiment}"] for f in FINDINGS.values()]
+    head = ["finding", "runs (CPU-sized)", "took (docs/results/)", "--paper"]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *rows])
 

@@ -31,7 +31,11 @@ TWO = _cases(2, [{"name": "pipeline", "schedule": "gpipe", "microbatches": 4},
                  {"name": "pipeline", "schedule": "zero-bubble", "microbatches": 4},
                  {"name": "pipeline", "schedule": "zbv", "microbatches": 4}])
 FOUR = _cases(4, [{"name": "megatron", "tensor_parallel": 2, "stages": 2, "microbatches": 2},
-                  {"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}])
+                  {"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}]) + [
+    # 6 blocks in 8 stages: the last holds only the final norm and the LM head, and, narrower than the
+    # vocabulary, most of what it saves is the loss's, which the input half of its backward frees
+    experiment({**MODEL, "n_layer": 6, "n_embd": 64, "n_head": 4}, KJV, strategy={"name": "pipeline", "stages": 4, "schedule": "zero-bubble",
+                                                       "microbatches": 16}, workers=4, batch=16, steps=STEPS)]
 
 
 def _second_step_memory(rank, world, cases):
@@ -58,7 +62,7 @@ def kjv(info):
     return info(**KJV)
 
 
-@pytest.mark.parametrize("world, specs", [(2, TWO), (4, FOUR)], ids=["two-stages", "tensor2-by-stages2"])
+@pytest.mark.parametrize("world, specs", [(2, TWO), (4, FOUR)], ids=["two-stages", "four-workers"])
 def test_estimate_predicts_what_each_pipeline_rank_holds(kjv, world, specs):
     """Per pipeline rank, the estimate's model states (with pipedream's stashed weight versions) within
     15% of the live tensors' census plus the stash, and its activations (the microbatches the schedule keeps in flight)
@@ -81,3 +85,16 @@ def test_estimate_predicts_what_each_pipeline_rank_holds(kjv, world, specs):
     if world == 2:  # the schedule decides: GPipe keeps all 4 microbatches on the first stage, 1F1B two
         gpipe, one = (estimate.pipeline_ranks(config.from_dict(s), info)[0].activations for s in specs[:2])
         assert gpipe == pytest.approx(2 * one, rel=0.01)
+
+
+def test_a_split_backward_frees_the_loss_at_its_input_half():
+    """On the last stage (1), a microbatch's loss goes with the input half (I) of its backward and the
+    rest of the stage's activations with the weight half (W); a full backward (B) frees both."""
+    from raytrain_par.strategies.pipeline import held_activations
+
+    micro, loss = {0: 3.0, 1: 10.0}, 8.0
+    split = [(1, "F"), (1, "I"), (1, "F"), (1, "I"), (1, "W"), (1, "W")]
+    assert held_activations(split, micro, loss) == 12.0  # 2 + 10: one loss at a time
+    assert held_activations(split, micro) == 20.0  # without the loss told apart, both microbatches whole
+    assert held_activations([(0, "F"), (0, "I"), (0, "F"), (0, "W"), (0, "W")], micro, loss) == 6.0
+    assert held_activations([(1, "F"), (1, "B"), (1, "F"), (1, "B")], micro, loss) == 10.0

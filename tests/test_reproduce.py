@@ -13,7 +13,19 @@ def test_list_names_every_finding_with_what_it_runs(capsys):
     for name, f in reproduce.FINDINGS.items():
         line = next(line for line in out.splitlines() if line.startswith(name))
         assert f.cpu.experiment in line and f.paper.experiment in line
-    assert "here (2 CPU cores)" in out
+        assert reproduce.last_run(name) in line
+    assert "took (docs/results/)" in out
+
+
+def test_list_reads_each_findings_time_off_its_page(tmp_path):
+    """The time --list shows is the one the finding's page says it took, with where and when."""
+    assert reproduce.last_run("staleness", tmp_path) == "not run yet"
+    reproduce.write_page(tmp_path / "staleness" / "index.md", "Reproduced: x",
+                         "**Held.** ...\n\none trial at a time: 3 trials in 6.34 minutes of wall-clock time, records in `r`.",
+                         command="raytrain-par reproduce staleness",
+                         made={**reproduce.provenance(), "date": "2026-11-30 23:06 UTC", "commit": "fd5b879"})
+    took = reproduce.last_run("staleness", tmp_path)
+    assert took.startswith("6 min (") and took.endswith(", 2026-11-30, commit fd5b879)"), took
 
 
 def test_unknown_finding_names_the_known_ones(capsys):

@@ -4,7 +4,8 @@ tensor_parallel 2 in tests/test_causal_lm.py, megatron and the pipeline engine's
 layouts of tests/test_layout_3d.py and PipeDream in tests/test_pipeline_ray.py. The engines and
 schedules left (zero-2, gpipe, interleaved-1f1b, zero-bubble, zbv) differ from those only inside the
 engine: each trains a few steps in one Ray Train worker group, all in one run. Each engine and schedule is compared with one process in plain process
-groups by tests/test_zero.py, tests/test_megatron.py and tests/test_pipeline.py."""
+groups by tests/test_zero.py, tests/test_megatron.py and tests/test_pipeline.py. Every engine also
+trains in bf16 in one Ray Train run."""
 
 import functools
 
@@ -65,3 +66,27 @@ def test_the_other_engines_train_in_ray_train_workers_as_one_ddp_process_does(ra
     assert set(trained) == set(ENGINES)
     for name, losses in trained.items():
         assert losses == pytest.approx(reference, rel=1e-5), name
+
+
+BF16 = {"ddp": "{name: ddp}", "zero-1": "{name: zero-1}", "zero-2": "{name: zero-2}", "zero-3": "{name: zero-3}",
+        "fsdp": "{name: fsdp}", "megatron": "{name: megatron, tensor_parallel: 2}",
+        "pipeline": "{name: pipeline, stages: 2, schedule: 1f1b}"}
+SMALL = [*COMMON, "train.global_batch_size=8"]  # bf16 matmuls are emulated on CPUs without bf16 units
+
+
+def test_every_engine_trains_in_bf16_in_ray_train_workers(ray_cluster, tmp_path, one_process):
+    """Each engine that trains in bf16 (PipeDream's in tests/test_pipeline_ray.py), two steps in one group
+    of 2 Ray Train workers, within bf16's precision (3e-2 relative) of one fp32 ddp process on the same
+    global batches; every engine's bf16 run is compared with its own fp32 run over 8 steps in
+    tests/test_bf16.py and tests/test_pipeline.py."""
+    _, data = one_process
+    one = load_experiment(experiment_file("strategies.yaml"), [*SMALL, "scaling.num_workers=1"])
+    reference = run_ranks(1, train_steps, one.to_dict(), data, 2)[0]["losses"]
+    cases = {name: load_experiment(experiment_file("strategies.yaml"),
+                                   [*SMALL, f"strategy={s}", "train.precision=bf16"]).to_dict()
+             for name, s in BF16.items()}
+    trained = engines.in_ray_workers(functools.partial(engines.step_losses, steps=2), cases, data, tmp_path)
+    assert set(trained) == set(BF16)
+    for name, losses in trained.items():
+        assert losses == pytest.approx(reference, rel=3e-2), name
+        assert losses != pytest.approx(reference, rel=1e-6), f"{name}: the same losses as fp32; not bf16?"

@@ -193,7 +193,8 @@ class PipeDreamEngine(Engine):
 
     @classmethod
     def estimate_rank(cls, pipe: Options, train, dp: int, pp_rank: int, params: dict[int, int],
-                      micro: dict[int, float], fixed: dict[int, float]) -> tuple[StateBytes, float, float]:
+                      micro: dict[int, float], fixed: dict[int, float],
+                      loss: float = 0.0) -> tuple[StateBytes, float, float]:
         """What stage p holds (see PipelineEngine.estimate_rank for the arguments): its fp32 model
         states, plus the weight versions stashed for the microbatches in flight when it updates (lag =
         P - 1 - p of them in flight; with stashing, as many versions as minibatches they span,

@@ -162,16 +162,22 @@ def schedule_actions(options: Options, pp_rank: int) -> list[tuple[int, str]]:
     return [(a.stage_index, a.computation_type.value) for a in actions if a is not None]
 
 
-def held_activations(actions: list[tuple[int, str]], micro: dict[int, float]) -> float:
+def held_activations(actions: list[tuple[int, str]], micro: dict[int, float], loss: float = 0.0) -> float:
     """The most activation bytes alive at once over a rank's actions: a microbatch's activations in
     stage s (`micro[s]`) live from its forward pass to its full backward, or, split, to its weight
-    half (the input half keeps the graph for it)."""
+    half: the input half keeps the stage's graph for it. What the loss saves (`loss` bytes of the last
+    stage's `micro`) lies above every weight of the stage, and goes with the input half."""
+    last = max(micro)
     now = peak = 0.0
     for stage, kind in actions:
         if kind == "F":
             now += micro[stage]
-        elif kind in ("B", "W"):
+        elif kind == "B":
             now -= micro[stage]
+        elif kind == "I" and stage == last:
+            now -= loss
+        elif kind == "W":
+            now -= micro[stage] - (loss if stage == last else 0.0)
         peak = max(peak, now)
     return peak
 
@@ -212,11 +218,13 @@ class PipelineEngine(Engine):
 
     @classmethod
     def estimate_rank(cls, pipe: Options, train, dp: int, pp_rank: int, params: dict[int, int],
-                      micro: dict[int, float], fixed: dict[int, float]) -> tuple[StateBytes, float, float]:
+                      micro: dict[int, float], fixed: dict[int, float],
+                      loss: float = 0.0) -> tuple[StateBytes, float, float]:
         """What pipeline rank `pp_rank` holds, from its stages' parameter counts (`params`; the later
         stage's copy of a tied weight counted there), the activation bytes one microbatch saves in each
-        stage (`micro`) and those saved once per step whatever the microbatches (`fixed`: autocast's
-        16-bit weight copies, one per step as the schedule runs in one autocast region): model states
+        stage (`micro`; `loss` of them the loss's, in the last stage) and those saved once per step
+        whatever the microbatches (`fixed`: autocast's 16-bit weight copies, one per step as the
+        schedule runs in one autocast region): model states
         (fp32 parameters, gradients and optimizer state, divided over the D replicas under fsdp), the
         activations of the microbatches the schedule keeps in flight at once, and the whole parameters
         and gradients that FSDP holds during a step (torch's stages keep a sharded stage gathered from
@@ -226,7 +234,7 @@ class PipelineEngine(Engine):
         every = pipe.data_parallel_sharding == "fsdp" and dp > 1
         theory = model_state_theory(Sharding(every, every, every), dp, train.precision,
                                     optimizer_state_bytes(train)) * n
-        activations = held_activations(schedule_actions(pipe, pp_rank), micro) + sum(fixed[s] for s in local)
+        activations = held_activations(schedule_actions(pipe, pp_rank), micro, loss) + sum(fixed[s] for s in local)
         return StateBytes(theory, theory), activations, (4 + 4) * n if every else 0.0
 
     @classmethod
