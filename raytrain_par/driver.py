@@ -35,6 +35,7 @@ from .errors import ConfigError, UserError
 from .local_group import free_port
 from .metrics.efficiency import summarize
 from .metrics.records import RecordWriter, merge, progress_line, read_records, table, write_table
+from .provenance import record_run
 from .worker import quiet_ray_logs, steps_per_epoch, train_loop_per_worker
 
 RUN_SUBDIR = "train"
@@ -273,6 +274,7 @@ def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdi
             raise UserError(f"--resume: {results} holds no earlier run of {spec.name!r} to continue.\n"
                             "  fix: run without --resume to start it, or point output_dir at the earlier results")
         check_resumable(spec, results / run_subdir, log)
+        record_run(results)
         return results
     if results.exists() and any(results.iterdir()):
         stamp = datetime.fromtimestamp(results.stat().st_mtime).strftime("%Y%m%d-%H%M%S")
@@ -283,6 +285,7 @@ def prepare_results_dir(spec: ExperimentSpec, resume: bool, log=print, run_subdi
         shutil.move(str(results), str(archive))
         log(f"earlier results of {spec.name!r} moved to {archive}")
     results.mkdir(parents=True, exist_ok=True)
+    record_run(results)  # the command and commit every figure of these records is labelled with
     return results
 
 

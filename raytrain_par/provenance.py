@@ -7,6 +7,7 @@ tests/test_docs.py recognises a generated page by GENERATED_MARK.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
@@ -46,6 +47,35 @@ def provenance(command: str | None = None) -> dict:
     """When, where and how a figure was produced (the command: this process's, unless given)."""
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
             "machine": machine(), "command": command or " ".join(shlex.quote(x) for x in ["python", *sys.argv])}
+
+
+RUNS_FILE = "provenance.json"
+
+
+def cli_command() -> str:
+    """This process's command line as the user typed it: `raytrain-par ...` for the console script."""
+    argv = sys.argv
+    if argv and Path(argv[0]).name == "raytrain-par":
+        argv = ["raytrain-par", *argv[1:]]
+    else:
+        argv = ["python", *argv]
+    return " ".join(shlex.quote(x) for x in argv)
+
+
+def record_run(results_dir: str | Path) -> dict:
+    """Append this run's provenance (command, commit, date, the launching machine) to the results
+    directory's provenance.json: a resumed run adds its own entry beside the first one's."""
+    path = Path(results_dir) / RUNS_FILE
+    runs = runs_of(results_dir)
+    made = provenance(cli_command())
+    path.write_text(json.dumps({"runs": [*runs, made]}, indent=1) + "\n")
+    return made
+
+
+def runs_of(results_dir: str | Path) -> list[dict]:
+    """The runs record_run noted in a results directory (none for one written before it existed)."""
+    path = Path(results_dir) / RUNS_FILE
+    return json.loads(path.read_text())["runs"] if path.exists() else []
 
 
 def machine_device(m: dict) -> str:

@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from .errors import UserError  # noqa: E402
 from .metrics.efficiency import rank, summarize, workers_text  # noqa: E402
 from .metrics.records import read_records  # noqa: E402
+from .provenance import GENERATED_MARK, cli_command, machine_text, runs_of  # noqa: E402
 
 LABELS = {"val_loss": "validation loss", "val_perplexity": "validation perplexity",
           "val_accuracy": "validation accuracy", "grad_noise_scale": "gradient noise scale B_simple (rows)"}
@@ -166,6 +167,22 @@ def _prediction_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n\n"
 
 
+def provenance_text(results_dir: Path) -> str:
+    """Which runs wrote the records (command, start, commit, machine, from the results directory's
+    provenance.json) and which command wrote this report: what a reader needs to regenerate it."""
+    runs = runs_of(results_dir)
+    made = [f"`{r['command']}` (started {r['date']}, commit `{r['commit']}`, on {machine_text(r['machine'])})"
+            for r in runs]
+    if not made:
+        source = ("The records do not name the run that wrote them (written before raytrain-par noted its runs in "
+                  "provenance.json).")
+    elif len(made) == 1:
+        source = f"Records written by {made[0]}."
+    else:
+        source = "Records written by " + "; then ".join(made) + "."
+    return f"{source} Report written by `{cli_command()}`. {GENERATED_MARK}\n\n"
+
+
 def write_report(results_dir: str | Path, out: str | Path | None = None) -> list[Path]:
     results_dir = Path(results_dir)
     out = Path(out) if out else results_dir
@@ -203,7 +220,8 @@ def write_report(results_dir: str | Path, out: str | Path | None = None) -> list
     summary = out / "summary.md"
     target_text = f", target {metric} {'>=' if mode == 'max' else '<='} {target:g}" if target is not None else ""
     summary.write_text(
-        f"# {name}\n\n{len(rows)} trial(s), ranked by time to target{target_text}, then by best {metric}.\n\n"
+        f"# {name}\n\n{provenance_text(results_dir)}"
+        f"{len(rows)} trial(s), ranked by time to target{target_text}, then by best {metric}.\n\n"
         f"{_markdown_table(rows, metric)}\n\n" + (_prediction_table(predicted) if predicted else "") +
         "Wall time counts training steps only (not evaluation, checkpoints, reporting or start-up). MFU: model "
         "FLOPs per step over the training time, per worker, against the peak each record names; exposed comm: "

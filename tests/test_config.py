@@ -2,6 +2,8 @@
 before anything starts, with the field, the value and the fix in the message."""
 
 import copy
+import os
+import sys
 
 import pytest
 import yaml
@@ -210,3 +212,25 @@ def test_new_run_moves_earlier_results_aside(tmp_path):
     archived = [p for p in tmp_path.iterdir() if p.name.startswith("t.")]
     assert len(archived) == 1 and (archived[0] / "metrics.parquet").read_text() == "earlier"
     assert not (tmp_path / "t" / "metrics.parquet").exists()
+
+
+def test_each_run_notes_its_command_and_commit_beside_its_records(tmp_path, monkeypatch):
+    """What `report` labels its pages with: every run (and resumed run) of a results directory adds its
+    command, commit, date and machine to the directory's provenance.json, which moves aside with it."""
+    from raytrain_par import provenance, report
+
+    monkeypatch.setattr(sys, "argv", ["/x/.venv/bin/raytrain-par", "run", "e.yaml", "--set", "train.lr=0.1"])
+    spec = config.parse({**BASE, "output_dir": str(tmp_path)})
+    assert "do not name the run" in report.provenance_text(tmp_path)  # records older than the note
+    first = driver.prepare_results_dir(spec, resume=False)
+    provenance.record_run(first)  # as `--resume` adds its own
+    runs = provenance.runs_of(first)
+    assert [r["command"] for r in runs] == ["raytrain-par run e.yaml --set train.lr=0.1"] * 2
+    assert runs[0]["commit"] == provenance.commit() and runs[0]["machine"]["cpu_count"] == os.cpu_count()
+    text = report.provenance_text(first)
+    assert text.count("`raytrain-par run e.yaml --set train.lr=0.1` (started ") == 2
+    assert provenance.GENERATED_MARK in text and "Report written by `raytrain-par run e.yaml" in text
+    (first / "metrics.parquet").write_text("earlier")
+    driver.prepare_results_dir(spec, resume=False)
+    (archived,) = [p for p in tmp_path.iterdir() if p.name.startswith("t.")]
+    assert len(provenance.runs_of(archived)) == 2 and len(provenance.runs_of(tmp_path / "t")) == 1
