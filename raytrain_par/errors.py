@@ -1,4 +1,5 @@
-"""Errors a user can act on: each names what is wrong, the value found and the fix."""
+"""Errors a user can act on: each names what is wrong, the value found and the fix; and `say`, the
+console every command reports its progress on."""
 
 from __future__ import annotations
 
@@ -29,3 +30,10 @@ class ConfigError(UserError):
 
 class DataUnavailable(UserError):
     """A data set the experiment needs is not on this machine."""
+
+
+def say(*parts) -> None:
+    """The default log of the commands: print as it is when called. Ray replaces builtins.print once
+    imported, and Tune pickles a sweep's log function with its state, which fails for a `print` taken
+    before that ("Can't pickle <built-in function print>: it's not the same object")."""
+    print(*parts, flush=True)

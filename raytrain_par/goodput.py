@@ -46,7 +46,7 @@ from . import data as data_sets
 from . import estimate
 from .config import ExperimentSpec, parse
 from .driver import make_trainer, preflight, ray_cluster, run_experiment
-from .errors import ConfigError, UserError
+from .errors import ConfigError, UserError, say
 from .metrics.efficiency import crossing
 from .metrics.goodput import Reference, fit_reference
 from .metrics.records import write_table
@@ -205,7 +205,7 @@ def _memory_of(experiment: str) -> float | None:
 
 
 def make_plan(spec: ExperimentSpec, address: str | None = None, device_memory: int | None = None,
-              log=print) -> GoodputPlan:
+              log=say) -> GoodputPlan:
     """Reference run, probes, predictions; writes plan.parquet."""
     t0 = time.perf_counter()
     p = sweep_plan(spec)
@@ -286,7 +286,7 @@ class GoodputSearcher(Searcher):
     """
 
     def __init__(self, rows: list[dict], metric: str, mode: str, target: float, min_trials: int = 2,
-                 margin: float = 0.0, log=print):
+                 margin: float = 0.0, log=say):
         super().__init__(metric=metric, mode=mode)
         self.target, self.min_trials, self.margin, self.log = target, min_trials, margin, log
         self.queue = [r for r in rows if r["fits"] is not False and _finite(r["predicted_time_to_target_s"])]
@@ -393,7 +393,7 @@ class GoodputSearcher(Searcher):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self.log = print
+        self.log = say
 
     def save(self, checkpoint_path: str) -> None:
         """What has been trained and measured, for `sweep --resume`."""

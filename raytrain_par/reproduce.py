@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import ExperimentSpec, load_experiment
-from .errors import UserError
+from .errors import UserError, say
 from .provenance import markdown_table, provenance, write_page
 from .sweep import describe, plan
 
@@ -42,12 +42,6 @@ STUDY_ZERO_CUT = (0.42, 0.66)
 # significant digit; 1e-4 is a hundred times that and far below what one evaluation interval moves the
 # loss by (the page states both).
 IDENTICAL_TOLERANCE = 1e-4
-
-
-def say(*parts) -> None:
-    """The default log: print as it is when called. Ray replaces builtins.print once imported, and Tune
-    pickles the log function with the sweep's state, which fails for a `print` taken before that."""
-    print(*parts, flush=True)
 
 
 @dataclass(frozen=True)

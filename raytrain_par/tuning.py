@@ -23,6 +23,7 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from . import data as data_sets
 from .config import ExperimentSpec
 from .driver import make_trainer, preflight, prepare_results_dir, ray_cluster
+from .errors import say
 from .metrics.efficiency import rank, summarize, workers_text
 from .metrics.records import RecordWriter, merge, progress_line, read_records, write_table
 from .goodput import GoodputSearcher, GoodputStopper, make_plan, plan_table
@@ -46,7 +47,7 @@ class SweepRecorder(tune.Callback):
     """On the driver: every record of every trial -> metrics.parquet, with a progress line; keeps
     what each trial was and how it ended."""
 
-    def __init__(self, path: Path, log=print):
+    def __init__(self, path: Path, log=say):
         self.writer, self.log = RecordWriter(path), log
         self.trials: dict[str, dict] = {}  # trial id -> {name, overrides, status, error}
 
@@ -118,7 +119,7 @@ class SweepResult:
 
 
 def run_sweep(spec: ExperimentSpec, address: str | None = None, resume: bool = False,
-              log=print) -> SweepResult:
+              log=say) -> SweepResult:
     preflight(spec, address, log)
     p = plan(spec)
     for point in p.points:  # every distinct data set is prepared once, here, before any trial

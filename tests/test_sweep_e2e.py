@@ -7,16 +7,18 @@ import pytest
 import ray
 import yaml
 
+from raytrain_par import cli
 from raytrain_par.config import load_experiment
+from raytrain_par.metrics.records import read_records
 from raytrain_par.tuning import run_sweep
 
 pytestmark = pytest.mark.ray
 
 
-def test_asha_stops_a_poor_trial_and_frees_its_resources(ray_cluster, tmp_path):
-    """Two trials one after the other; the second (a learning rate far too small) falls behind the
-    first at ASHA's first rung and is stopped, and its placement group is freed. Each grid point also
-    draws its weight decay from a range (the random search's sampling)."""
+def test_asha_stops_a_poor_trial_and_frees_its_resources(ray_cluster, tmp_path, capsys):
+    """`raytrain-par sweep` as typed: two trials one after the other; the second (a learning rate far
+    too small) falls behind the first at ASHA's first rung and is stopped, and its placement group is
+    freed. Each grid point also draws its weight decay from a range (the random search's sampling)."""
     f = tmp_path / "asha.yaml"
     f.write_text(yaml.safe_dump({
         "name": "asha", "model": {"name": "gpt2-tiny"}, "data": {"name": "kjv", "max_val_samples": 16},
@@ -27,11 +29,14 @@ def test_asha_stops_a_poor_trial_and_frees_its_resources(ray_cluster, tmp_path):
         "sweep": {"grid": {"train.lr": [3e-3, 1e-7]}, "random": {"train.weight_decay": {"min": 0.0, "max": 0.01}},
                   "max_concurrent_trials": 1,
                   "early_stopping": {"grace_period_s": 0.5, "reduction_factor": 2}}}))
-    result = run_sweep(load_experiment(f), log=lambda *_: None)
-    by_lr = {t["lr"]: t for t in result.trials}
+    assert cli.main(["sweep", str(f)]) == 0  # on the session's cluster, which the command joins
+    out = capsys.readouterr().out
+    assert "asha: sweep of 2 trial(s), 1 at a time" in out and "trials in " in out
+    trials = read_records(tmp_path / "asha" / "trials.parquet")
+    by_lr = {t["lr"]: t for t in trials}
     assert by_lr[1e-7]["status"] == "stopped early" and by_lr[1e-7]["steps"] < 10
     assert by_lr[3e-3]["status"] == "completed" and by_lr[3e-3]["steps"] == 10
-    decays = [json.loads(t["overrides"])["train.weight_decay"] for t in result.trials]
+    decays = [json.loads(t["overrides"])["train.weight_decay"] for t in trials]
     assert len(set(decays)) == 2 and all(0.0 <= d <= 0.01 for d in decays)
     # The stopped trial's workers' placement group is removed (Ray Train's cleaner polls every second).
     deadline = time.time() + 30

@@ -72,3 +72,20 @@ def test_check_refuses_a_sweep_block_that_sweep_refuses(sweep, words, tmp_path, 
     assert cli.main(["check", str(f), "--set", f"sweep={sweep}"]) == 2
     err = capsys.readouterr().err
     assert words in err and "fix:" in err
+
+
+def test_the_sweeps_log_pickles_after_ray_replaces_print(monkeypatch):
+    """Tune pickles a sweep's log function (with its callbacks and searcher); Ray replaces builtins.print
+    when its progress bars start (tqdm_ray), after which the `print` a default argument took fails to
+    pickle, and `raytrain-par sweep` failed before its first trial."""
+    import builtins
+    import inspect
+
+    from ray import cloudpickle
+
+    from raytrain_par import goodput, tuning
+
+    monkeypatch.setattr(builtins, "print", lambda *a, **k: None)
+    for f in (tuning.run_sweep, tuning.SweepRecorder, goodput.make_plan, goodput.GoodputSearcher):
+        log = inspect.signature(f).parameters["log"].default
+        assert cloudpickle.loads(cloudpickle.dumps(log)) is log, f
