@@ -34,6 +34,7 @@ from .data.shards import DatasetInfo
 from .errors import ConfigError, UserError
 from .local_group import free_port
 from .metrics.efficiency import summarize
+from .metrics.memory import CACHING_ALLOCATOR_ENV
 from .metrics.records import RecordWriter, merge, progress_line, read_records, table, write_table
 from .provenance import record_run
 from .worker import quiet_ray_logs, steps_per_epoch, train_loop_per_worker
@@ -96,6 +97,8 @@ def worker_env(spec: ExperimentSpec | None = None) -> dict[str, str]:
     }
     if not (spec and spec.scaling.use_gpu):
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would otherwise look for CUDA
+    if not spec or spec.scaling.host_allocator == "caching":
+        env.update(CACHING_ALLOCATOR_ENV)
     return env
 
 

@@ -12,7 +12,7 @@ Two counts of model states, for two questions:
   that cache; `return_freed_memory()` sends every later block of 64 KiB or more to an mmap of its
   own that goes back to the system when freed. It is not on by default: an mmap per tensor costs
   page faults on every step (+18% step time measured on a 2-core CPU), so only the memory
-  benchmark switches it on.
+  benchmark switches it on. Training workers go the other way by default (CACHING_ALLOCATOR_ENV).
 - *Census* (`mem_param_bytes`, `mem_grad_bytes`, `mem_optim_bytes`): the storages behind live
   tensors that an engine can name (parameters, gradients, optimizer state), each storage once
   however many views point into it, so a gradient that is a view into DDP's bucket counts the
@@ -104,19 +104,40 @@ def heap_in_use_bytes() -> int | None:
     return int(info.uordblks + info.hblkhd)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+# glibc's mallopt parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+_DEFAULT_MMAP_MAX, _DEFAULT_TRIM_THRESHOLD = 65536, 128 * 1024
+
+# A caching host allocator for CPU workers, in the environment a worker process starts with (glibc
+# reads MALLOC_* once, at start). With glibc's defaults a block of 32 MiB or more (a GPT-2's logits
+# and their gradient: batch x tokens x vocabulary floats) is an mmap of its own, unmapped when freed,
+# and every step faults its pages in again, zeroed: 70,000 page faults a step on the quickstart's
+# model, a fifth of its step time on a 2-core CPU. torch keeps no cache of host memory the way its
+# CUDA allocator does, so the C heap keeps it instead: no mmaps (MMAP_MAX 0), never trimmed (TRIM
+# huge), and one arena (ARENA_MAX 1), because Ray Train runs the training function in a thread of
+# its own and glibc gives such a thread a secondary arena, whose heaps (64 MiB at most) it shrinks
+# on its own. Measured in benchmarks/overhead.py. Peak resident memory is what it was (the heap's
+# high-water mark); the memory is returned when the worker exits. `scaling.host_allocator: system`
+# leaves glibc's defaults.
+CACHING_ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return all(libc.mallopt(param, value) for param, value in settings)
+    except (OSError, AttributeError):
+        return False
 
 
 def return_freed_memory(threshold: int = 65536) -> bool:
     """From now on, allocations of `threshold` bytes or more get an mmap of their own, returned to
     the system when freed, so that peak resident memory follows what is in use (glibc's run-time
-    form of MALLOC_MMAP_THRESHOLD_; it also stops glibc raising the threshold by itself). False
-    where the C library has no mallopt (not glibc)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
-    except (OSError, AttributeError):
-        return False
+    form of MALLOC_MMAP_THRESHOLD_; it also stops glibc raising the threshold by itself, and undoes
+    CACHING_ALLOCATOR_ENV's no-mmap and no-trim settings). False where the C library has no mallopt
+    (not glibc)."""
+    return _mallopt((_M_MMAP_MAX, _DEFAULT_MMAP_MAX), (_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD),
+                    (_M_MMAP_THRESHOLD, threshold))
 
 
 def allocated_bytes(device: torch.device) -> int | None:
