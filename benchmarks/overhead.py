@@ -50,7 +50,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import check_readme_target, markdown_table, print_table, write_json, write_page
+from common import check_readme_target, markdown_table, print_table, provenance, write_json, write_page
 
 from raytrain_par import config, data, models, strategies
 from raytrain_par.models import gpt2
@@ -256,8 +256,11 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="experiment override")
     p.add_argument("--out", help="JSON file (default benchmarks/results/overhead.json)")
     p.add_argument("--page", help="Markdown page (default docs/overhead.md)")
+    p.add_argument("--render", metavar="JSON", help="write the page and README line again from a run's JSON")
     a = p.parse_args()
     check_readme_target("overhead", a.page)
+    if a.render:
+        return render(json.loads(Path(a.render).read_text()), a.page)
     names = [s for s in a.strategies.split(",") if s]
     unknown = [s for s in names if s not in BASELINES]
     if unknown:
@@ -310,21 +313,7 @@ def main() -> None:
             print(f"{s} in one process group: our engine / the plain step {inside['ratio']:.3f} "
                   f"(rounds {' '.join(f'{x:.3f}' for x in inside['round_ratios'])})", flush=True)
 
-    head = ["strategy", "plain baseline", "ours s/step", "plain s/step", "ratio", f"<= {TARGET}", "round ratios",
-            "plain s/step, our allocator", "ratio, same allocator", "engine / plain step, one group"]
-    rows = [[s, BASELINES[s], f"{statistics.median(r['ours_s']):.4f}", f"{statistics.median(r['plain_s']):.4f}",
-             f"{r['ratio']:.3f}", "met" if r["met"] else "NOT met", " ".join(f"{x:.3f}" for x in r["round_ratios"]),
-             f"{statistics.median(r['plain_cached_s']):.4f}", f"{r['same_allocator_ratio']:.3f}",
-             f"{r['in_process']['ratio']:.3f}" if "in_process" in r else "-"]
-            for s, r in results.items()]
-    print()
-    print_table(head, rows)
-    missed = [s for s, r in results.items() if not r["met"]]
-    verdict = (f"every ratio at most {TARGET}: met" if not missed
-               else f"ratio above {TARGET} for {', '.join(missed)}: NOT met")
-    print(f"\noverhead (ours / plain, median of {a.rounds} rounds' ratios): {verdict}")
-
-    cpu, cpu_text = {}, ""
+    cpu = {}
     if a.cpu_seconds > 0:
         s = names[0]
         spec = specs[s]
@@ -337,27 +326,6 @@ def main() -> None:
         cpu["plain"] = cpu_while(lambda: plain_step_time(plain_command(spec, s, info, work, a), work / f"{s}-cpu.json",
                                                          threads, plain_env),
                                  lambda: time.time() - t_start > 10, a.cpu_seconds)
-        kinds = sorted(set(cpu["ours"]) | set(cpu["plain"]), key=lambda k: -max(cpu["ours"].get(k, 0), cpu["plain"].get(k, 0)))
-        kinds = [k for k in kinds if max(cpu["ours"].get(k, 0), cpu["plain"].get(k, 0)) >= 0.005]
-        cpu_rows = [[k, f"{cpu['ours'].get(k, 0):.3f}", f"{cpu['plain'].get(k, 0):.3f}"] for k in kinds]
-        cpu_rows.append(["all", f"{sum(cpu['ours'].values()):.3f}", f"{sum(cpu['plain'].values()):.3f}"])
-        cpu_head = ["process", "ours: cores", "plain: cores"]
-        print(f"\nCPU by process over {a.cpu_seconds:g} s of training ({s}; cores of {os.cpu_count()}):")
-        print_table(cpu_head, cpu_rows)
-        training = {"ours": cpu["ours"].get("training workers (Ray Train)", 0.0),
-                    "plain": cpu["plain"].get("training ranks (torchrun)", 0.0)}
-        ray_own = {side: sum(v for k, v in cpu[side].items() if k.startswith("Ray: ")) for side in cpu}
-        cpu_text = f"""
-## Where the machine's CPU goes
-
-One more run of {s} on each side, sampled from `/proc` over {a.cpu_seconds:g} s of its training: the
-cores each kind of process used, on a machine of {os.cpu_count()} cores. The training processes got
-{training['ours']:.2f} cores under Ray and {training['plain']:.2f} under torchrun; Ray's own processes
-used {ray_own['ours']:.2f} cores while our run trained and {ray_own['plain']:.2f} while the plain script
-did (the cluster stays up beside it, idle).
-
-{markdown_table(cpu_head, cpu_rows)}
-"""
     t = first.train
     setup = (f"{first.model.name} ({models.parameter_count(models.build_on_meta(first.model, info)[0]) / 1e6:.1f}M "
              f"parameters), {a.workers} workers x {threads} thread(s), global batch {t.global_batch_size} of "
@@ -365,21 +333,71 @@ did (the cluster stays up beside it, idle).
              f"{a.rounds} rounds, each side first in turn")
     payload = {"experiment": first.name, "model": first.model.name, "workers": a.workers, "threads": threads,
                "global_batch_size": t.global_batch_size, "precision": t.precision, "steps": a.steps,
-               "warmup": a.warmup, "rounds": a.rounds, "target": TARGET, "results": results, "verdict": verdict,
+               "warmup": a.warmup, "rounds": a.rounds, "in_process_rounds": a.in_process_rounds,
+               "cpu_seconds": a.cpu_seconds, "setup": setup, "target": TARGET, "results": results,
                "cpu_cores_by_process": cpu}
-    print(f"written {write_json('overhead', payload, a.out)}")
-    in_process_text = "" if not a.in_process_rounds else f"""
+    made = provenance()
+    print(f"written {write_json('overhead', payload, a.out, made)}")
+    render({**made, **payload}, a.page)
+
+
+def render(run: dict, page_out: str | None) -> None:
+    """The table, the verdict, docs/overhead.md and README.md's line, from a run's JSON."""
+    results, rounds, cpu = run["results"], run["rounds"], run["cpu_cores_by_process"]
+    head = ["strategy", "plain baseline", "ours s/step", "plain s/step", "ratio", f"<= {TARGET}", "round ratios",
+            "plain s/step, our allocator", "ratio, same allocator", "engine / plain step, one group"]
+    rows = [[s, BASELINES[s], f"{statistics.median(r['ours_s']):.4f}", f"{statistics.median(r['plain_s']):.4f}",
+             f"{r['ratio']:.3f}", "met" if r["met"] else "NOT met", " ".join(f"{x:.3f}" for x in r["round_ratios"]),
+             f"{statistics.median(r['plain_cached_s']):.4f}", f"{r['same_allocator_ratio']:.3f}",
+             f"{r['in_process']['ratio']:.3f}" if "in_process" in r else "-"]
+            for s, r in results.items()]
+    print()
+    print_table(head, rows)
+    missed = [s for s, r in results.items() if not r["met"]]
+    verdict = (f"every ratio at most {TARGET}: met" if not missed
+               else f"ratio above {TARGET} for {', '.join(missed)}: NOT met")
+    print(f"\noverhead (ours / plain, median of {rounds} rounds' ratios): {verdict}")
+    same = {s: r["same_allocator_ratio"] for s, r in results.items()}
+    above = [s for s, x in same.items() if x > TARGET]
+    same_text = (f"{min(same.values()):.2f}-{max(same.values()):.2f} against the plain scripts given our workers' "
+                 "allocator settings" + (f" (above {TARGET} for {', '.join(above)})" if above else ""))
+    print(f"with the same allocator on both sides: {same_text}")
+
+    cpu_text = ""
+    if cpu:
+        s, cores = next(iter(results)), run["machine"]["cpu_count"]
+        kinds = sorted(set(cpu["ours"]) | set(cpu["plain"]), key=lambda k: -max(cpu["ours"].get(k, 0), cpu["plain"].get(k, 0)))
+        kinds = [k for k in kinds if max(cpu["ours"].get(k, 0), cpu["plain"].get(k, 0)) >= 0.005]
+        cpu_rows = [[k, f"{cpu['ours'].get(k, 0):.3f}", f"{cpu['plain'].get(k, 0):.3f}"] for k in kinds]
+        cpu_rows.append(["all", f"{sum(cpu['ours'].values()):.3f}", f"{sum(cpu['plain'].values()):.3f}"])
+        cpu_head = ["process", "ours: cores", "plain: cores"]
+        print(f"\nCPU by process over {run['cpu_seconds']:g} s of training ({s}; cores of {cores}):")
+        print_table(cpu_head, cpu_rows)
+        training = {"ours": cpu["ours"].get("training workers (Ray Train)", 0.0),
+                    "plain": cpu["plain"].get("training ranks (torchrun)", 0.0)}
+        ray_own = {side: sum(v for k, v in cpu[side].items() if k.startswith("Ray: ")) for side in cpu}
+        cpu_text = f"""
+## Where the machine's CPU goes
+
+One more run of {s} on each side (the plain script as a user runs it), sampled from `/proc` over
+{run['cpu_seconds']:g} s of its training: the cores each kind of process used, on a machine of {cores}
+cores. The training processes got {training['ours']:.2f} cores under Ray and {training['plain']:.2f}
+under torchrun; Ray's own processes used {ray_own['ours']:.2f} cores while our run trained and
+{ray_own['plain']:.2f} while the plain script did (the cluster stays up beside it, idle).
+
+{markdown_table(cpu_head, cpu_rows)}
+"""
+    in_process_text = "" if not run["in_process_rounds"] else f"""
 The last column takes Ray and torchrun out: our engine's step against the plain script's step in the
-same process group, {a.in_process_rounds} rounds of {a.warmup} steps each, the median of the rounds'
-ratios."""
+same process group, {run['in_process_rounds']} rounds of {run['warmup']} steps each, the median of the
+rounds' ratios."""
     ratios = [r["ratio"] for r in results.values()]
-    same = [r["same_allocator_ratio"] for r in results.values()]
     readme = (f"ours / plain {min(ratios):.2f}-{max(ratios):.2f} over {', '.join(results)} (target: at most {TARGET} "
               f"each): **{'met' if not missed else 'NOT met'}**" + (f", above for {', '.join(missed)}" if missed else "")
-              + f"; {min(same):.2f}-{max(same):.2f} against the plain scripts given our workers' allocator settings")
+              + f"; {same_text}")
     page = write_page("overhead", "Overhead against the plain libraries", f"""
 Seconds per training step of raytrain-par's engines under Ray Train against plain scripts of the
-same library under `torchrun` ([benchmarks/torchrun_plain.py](../benchmarks/torchrun_plain.py)): {setup}.
+same library under `torchrun` ([benchmarks/torchrun_plain.py](../benchmarks/torchrun_plain.py)): {run['setup']}.
 Each round runs three trainings one after another, each first in turn: ours, the plain script as a user
 runs it (glibc's allocator defaults), and the plain script again with the caching allocator settings our
 workers start with (`scaling.host_allocator: caching`, see `CACHING_ALLOCATOR_ENV` in
@@ -390,10 +408,9 @@ cost once the allocator is the same on both sides.{in_process_text}
 
 {markdown_table(head, rows)}
 
-**Verdict: {verdict}.**
-{cpu_text}""", a.page, verdict=readme)
+**Verdict: {verdict}.** With the same allocator on both sides: {same_text}.
+{cpu_text}""", page_out, verdict=readme, made=run)
     print(f"written {page}")
-
 
 if __name__ == "__main__":
     main()
