@@ -201,3 +201,23 @@ def test_selective_on_vgg_is_an_error():
     with pytest.raises(ConfigError) as e:
         config.parse(experiment(GPT, KJV, activation_checkpointing="attention"))
     assert e.value.field == "train.activation_checkpointing"
+
+
+
+def test_the_figures_docs_memory_gives_are_what_estimate_says():
+    """docs/memory.md quotes estimate's activations for experiments/zero-memory.yaml under each setting
+    (and with attention dropout, none and selective): each is what `raytrain-par estimate` says now."""
+    import re
+
+    text = " ".join((Path(__file__).parent.parent / "docs" / "memory.md").read_text().split())
+    quoted = re.search(r"fp32\): ([\d.]+) MiB with `none`, ([\d.]+) MiB with `selective`, ([\d.]+) MiB with `full`.*?"
+                       r"\(0\.1: ([\d.]+) MiB with `none`\) it keeps ([\d.]+) MiB", text).groups()
+
+    def activations(checkpointing, dropout=None):
+        overrides = [f"train.activation_checkpointing={checkpointing}", "scaling.num_workers=1"]
+        spec = config.load_experiment(Path(__file__).parent.parent / "experiments" / "zero-memory.yaml",
+                                      overrides + ([f"model.dropout={dropout}"] if dropout else []))
+        return f"{estimate.estimate(spec, ['ddp'], [1])[0].activations / 2**20:.1f}"
+
+    assert list(quoted) == [activations("none"), activations("selective"), activations("full"),
+                            activations("none", 0.1), activations("selective", 0.1)]
