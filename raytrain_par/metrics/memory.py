@@ -116,9 +116,10 @@ _DEFAULT_MMAP_MAX, _DEFAULT_TRIM_THRESHOLD = 65536, 128 * 1024
 # CUDA allocator does, so the C heap keeps it instead: no mmaps (MMAP_MAX 0), never trimmed (TRIM
 # huge), and one arena (ARENA_MAX 1), because Ray Train runs the training function in a thread of
 # its own and glibc gives such a thread a secondary arena, whose heaps (64 MiB at most) it shrinks
-# on its own. Measured in benchmarks/overhead.py. Peak resident memory is what it was (the heap's
-# high-water mark); the memory is returned when the worker exits. `scaling.host_allocator: system`
-# leaves glibc's defaults.
+# on its own. Measured in benchmarks/overhead.py. The cost is peak resident memory: the heap keeps
+# freed blocks between live ones, which mappings would have returned (more for pipelines, whose
+# micro-batches free tensors of many sizes in between). `scaling.host_allocator: system` leaves
+# glibc's defaults; the memory experiments set it.
 CACHING_ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)}
 
 
