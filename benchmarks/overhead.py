@@ -260,7 +260,14 @@ def main() -> None:
     a = p.parse_args()
     check_readme_target("overhead", a.page)
     if a.render:
-        return render(json.loads(Path(a.render).read_text()), a.page)
+        run = json.loads(Path(a.render).read_text())
+        missing = [k for k in ("setup", "host_allocator", "in_process_rounds", "cpu_seconds") if k not in run]
+        missing += sorted({k for r in run["results"].values() for k in ("plain_cached_s", "same_allocator_ratio")
+                           if k not in r})
+        if missing:
+            p.error(f"--render {a.render}: written by an earlier version of this benchmark (no {', '.join(missing)}); "
+                    "run the benchmark again")
+        return render(run, a.page)
     names = [s for s in a.strategies.split(",") if s]
     unknown = [s for s in names if s not in BASELINES]
     if unknown:
@@ -285,6 +292,7 @@ def main() -> None:
     # The plain script as a user runs it, with glibc's allocator defaults; and once more with our workers'
     # caching allocator settings, which tells what is left once the allocator is the same on both sides.
     plain_env = {k: v for k, v in env.items() if k not in CACHING_ALLOCATOR_ENV}
+    cached_env = {**plain_env, **CACHING_ALLOCATOR_ENV}
     start_local_cluster(num_cpus=a.workers + 1, env=env)
 
     results = {}
@@ -294,7 +302,8 @@ def main() -> None:
         for r in range(a.rounds):
             sides = [lambda: ours.append(our_step_time(specs[s], a.warmup, a.steps)),
                      lambda: plain.append(plain_step_time(cmd, work / f"{s}-{r}.json", threads, plain_env)),
-                     lambda: cached.append(plain_step_time(cmd, work / f"{s}-{r}-cached.json", threads, env))]
+                     lambda: cached.append(plain_step_time(cmd, work / f"{s}-{r}-cached.json", threads,
+                                                                  cached_env))]
             shift = (i + r) % len(sides)  # each side first in turn
             for run in sides[shift:] + sides[:shift]:
                 run()
@@ -334,7 +343,8 @@ def main() -> None:
     payload = {"experiment": first.name, "model": first.model.name, "workers": a.workers, "threads": threads,
                "global_batch_size": t.global_batch_size, "precision": t.precision, "steps": a.steps,
                "warmup": a.warmup, "rounds": a.rounds, "in_process_rounds": a.in_process_rounds,
-               "cpu_seconds": a.cpu_seconds, "setup": setup, "target": TARGET, "results": results,
+               "cpu_seconds": a.cpu_seconds, "setup": setup, "host_allocator": first.scaling.host_allocator,
+               "target": TARGET, "results": results,
                "cpu_cores_by_process": cpu}
     made = provenance()
     print(f"written {write_json('overhead', payload, a.out, made)}")
@@ -359,8 +369,8 @@ def render(run: dict, page_out: str | None) -> None:
     print(f"\noverhead (ours / plain, median of {rounds} rounds' ratios): {verdict}")
     same = {s: r["same_allocator_ratio"] for s, r in results.items()}
     above = [s for s, x in same.items() if x > TARGET]
-    same_text = (f"{min(same.values()):.2f}-{max(same.values()):.2f} against the plain scripts given our workers' "
-                 "allocator settings" + (f" (above {TARGET} for {', '.join(above)})" if above else ""))
+    same_text = (f"ours / plain given the same allocator settings {min(same.values()):.2f}-{max(same.values()):.2f}: "
+                 + (f"**NOT met**, above for {', '.join(above)}" if above else "**met**"))
     print(f"with the same allocator on both sides: {same_text}")
 
     cpu_text = ""
@@ -394,21 +404,21 @@ rounds' ratios."""
     ratios = [r["ratio"] for r in results.values()]
     readme = (f"ours / plain {min(ratios):.2f}-{max(ratios):.2f} over {', '.join(results)} (target: at most {TARGET} "
               f"each): **{'met' if not missed else 'NOT met'}**" + (f", above for {', '.join(missed)}" if missed else "")
-              + f"; {same_text}")
+              + f", our workers' {run['host_allocator']} host allocator against glibc's defaults; {same_text}")
     page = write_page("overhead", "Overhead against the plain libraries", f"""
 Seconds per training step of raytrain-par's engines under Ray Train against plain scripts of the
 same library under `torchrun` ([benchmarks/torchrun_plain.py](../benchmarks/torchrun_plain.py)): {run['setup']}.
 Each round runs three trainings one after another, each first in turn: ours, the plain script as a user
 runs it (glibc's allocator defaults), and the plain script again with the caching allocator settings our
-workers start with (`scaling.host_allocator: caching`, see `CACHING_ALLOCATOR_ENV` in
+workers start with by default (`scaling.host_allocator: caching`, see `CACHING_ALLOCATOR_ENV` in
 [metrics/memory.py](../raytrain_par/metrics/memory.py): no page faults on memory a step frees and the
-next step takes again). The ratio is the median over rounds of each round's ours / plain; the target is
+next step takes again); ours ran with `scaling.host_allocator: {run['host_allocator']}`. The ratio is the median over rounds of each round's ours / plain; the target is
 at most {TARGET} for every strategy. The ratio with the same allocator is what Ray Train and our engine
 cost once the allocator is the same on both sides.{in_process_text}
 
 {markdown_table(head, rows)}
 
-**Verdict: {verdict}.** With the same allocator on both sides: {same_text}.
+**Verdict: {verdict}.** With the same allocator on both sides, {same_text}.
 {cpu_text}""", page_out, verdict=readme, made=run)
     print(f"written {page}")
 

@@ -118,8 +118,9 @@ class ScalingSpec:
     backend: Optional[Literal["gloo", "nccl"]] = None  # default: nccl with GPUs, gloo without
     # elastic runs: seconds between two looks at the cluster for a larger (or smaller) worker group
     resize_interval_s: float = 60.0
-    # caching: each worker's C heap keeps what a step frees for the next step (no page faults on
-    # reused memory; see metrics/memory.py); system: glibc's defaults, freed memory goes back to the system
+    # CPU workers (use_gpu false) -- caching: each worker's C heap keeps what a step frees for the next
+    # step (no page faults on reused memory; see metrics/memory.py); system: glibc's defaults, freed
+    # memory goes back to the system. It is the Ray job's environment: one value for a whole sweep.
     host_allocator: Literal["caching", "system"] = "caching"
     min_workers: Optional[int] = field(default=None, init=False)
 

@@ -97,8 +97,8 @@ def worker_env(spec: ExperimentSpec | None = None) -> dict[str, str]:
     }
     if not (spec and spec.scaling.use_gpu):
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would otherwise look for CUDA
-    if not spec or spec.scaling.host_allocator == "caching":
-        env.update(CACHING_ALLOCATOR_ENV)
+        if not spec or spec.scaling.host_allocator == "caching":  # CPU workers only: on GPUs it was never measured
+            env.update(CACHING_ALLOCATOR_ENV)
     return env
 
 

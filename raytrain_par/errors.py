@@ -1,5 +1,5 @@
 """Errors a user can act on: each names what is wrong, the value found and the fix; and `say`, the
-console every command reports its progress on."""
+default log of the commands whose log Ray Tune may pickle (sweep, plan, reproduce)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def commit() -> str:
 def provenance(command: str | None = None) -> dict:
     """When, where and how a figure was produced (the command: this process's, unless given)."""
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
-            "machine": machine(), "command": command or " ".join(shlex.quote(x) for x in ["python", *sys.argv])}
+            "machine": machine(), "command": command or cli_command()}
 
 
 RUNS_FILE = "provenance.json"
@@ -66,16 +66,20 @@ def record_run(results_dir: str | Path) -> dict:
     """Append this run's provenance (command, commit, date, the launching machine) to the results
     directory's provenance.json: a resumed run adds its own entry beside the first one's."""
     path = Path(results_dir) / RUNS_FILE
-    runs = runs_of(results_dir)
-    made = provenance(cli_command())
-    path.write_text(json.dumps({"runs": [*runs, made]}, indent=1) + "\n")
+    made = provenance()
+    part = path.with_suffix(".part")  # replaced whole: a run killed while writing leaves the last good file
+    part.write_text(json.dumps({"runs": [*runs_of(results_dir), made]}, indent=1) + "\n")
+    os.replace(part, path)
     return made
 
 
 def runs_of(results_dir: str | Path) -> list[dict]:
     """The runs record_run noted in a results directory (none for one written before it existed)."""
     path = Path(results_dir) / RUNS_FILE
-    return json.loads(path.read_text())["runs"] if path.exists() else []
+    try:
+        return list(json.loads(path.read_text())["runs"]) if path.exists() else []
+    except (ValueError, KeyError, TypeError):  # not what record_run writes: the runs are unknown, not an error
+        return []
 
 
 def machine_device(m: dict) -> str:

@@ -29,6 +29,7 @@ from typing import Callable
 
 from .config import ExperimentSpec, load_experiment
 from .errors import UserError, say
+from .provenance import commit as provenance_commit
 from .provenance import markdown_table, provenance, write_page
 from .sweep import describe, plan
 
@@ -566,12 +567,16 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
-def run_finding(pl: Planned, out: Path, address: str | None = None, log=say) -> tuple[Path, Verdict, float]:
+def run_finding(pl: Planned, out: Path, address: str | None = None, log=say,
+                commit: str | None = None) -> tuple[Path, Verdict, float]:
+    """`commit`: the one `reproduce` started from (by default the checkout's now), so that the pages the
+    findings before this one wrote do not count as changes to the commit this one names."""
     from .metrics.records import read_records
     from .report import write_report
     from .tuning import run_sweep
 
-    t0, made = time.perf_counter(), provenance(pl.command)  # the commit the run starts from
+    t0, made = time.perf_counter(), provenance(pl.command)
+    made["commit"] = commit or made["commit"]
     result = run_sweep(pl.spec, address=address, log=log)
     if not result.records:
         raise UserError(f"reproduce {pl.finding.name}: no trial wrote a record (see the errors above)")
@@ -614,10 +619,11 @@ def main(args, log=say) -> int:
     if args.paper or args.address:
         check_cluster(planned, args.address)
     out = Path(args.out or ("docs/results/paper" if args.paper else "docs/results"))
+    started_from = provenance_commit()  # before any finding writes its page
     outcomes = []
     for pl in planned:
         log(f"reproduce {pl.finding.name}: {len(pl.trials)} trial(s) of {pl.experiment.relative_to(REPO)}")
-        page, verdict, minutes = run_finding(pl, out, args.address, log=log)
+        page, verdict, minutes = run_finding(pl, out, args.address, log=log, commit=started_from)
         outcomes.append((pl.finding.name, verdict.outcome, minutes, page))
     log("")
     for name, outcome, minutes, page in outcomes:

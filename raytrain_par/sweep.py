@@ -209,6 +209,11 @@ def plan(spec: ExperimentSpec) -> Plan:
             except ConfigError as e:
                 raise ConfigError(f"sweep trial {describe({**point, **probe})}: {e.field}", e.value, e.problem,
                                   f"{e.fix} (in the sweep block or the experiment)") from None
+    allocators = sorted({s.scaling.host_allocator for s in specs})
+    if len(allocators) > 1:  # the workers' environment is the Ray job's, set once for every trial
+        raise ConfigError("sweep: scaling.host_allocator", allocators, "every trial of a sweep runs in one Ray job, "
+                          "whose workers all start with one host allocator",
+                          "sweep each in a run of its own: raytrain-par sweep FILE --set scaling.host_allocator=system")
     metric = sweep.metric or (spec.target.metric if spec.target else "val_loss")
     produced = task_metrics(spec.model.name)
     if metric not in produced:

@@ -203,7 +203,6 @@ def test_selective_on_vgg_is_an_error():
     assert e.value.field == "train.activation_checkpointing"
 
 
-
 def test_the_figures_docs_memory_gives_are_what_estimate_says():
     """docs/memory.md quotes estimate's activations for experiments/zero-memory.yaml under each setting
     (and with attention dropout, none and selective): each is what `raytrain-par estimate` says now."""

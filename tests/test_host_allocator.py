@@ -6,6 +6,7 @@ what else the machine is doing."""
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -36,7 +37,7 @@ def steps():
 t = threading.Thread(target=steps); t.start(); t.join()
 print(json.dumps(faults[0]))
 """
-PAGES = 10 * 16 * 128 * 8192 * 4 // 4096  # what ten fresh 64 MiB tensors fault in
+PAGES = 10 * 16 * 128 * 8192 * 4 // 4096  # what ten fresh 64 MiB tensors fault in, 4 KiB a page
 
 
 def faults_per_ten_steps(env: dict, mode: str = "") -> int:
@@ -46,22 +47,24 @@ def faults_per_ten_steps(env: dict, mode: str = "") -> int:
     return json.loads(out.stdout)
 
 
-def test_workers_start_with_the_caching_allocator_unless_asked_for_the_systems():
+def test_cpu_workers_start_with_the_caching_allocator_unless_asked_for_the_systems():
     assert CACHING_ALLOCATOR_ENV.items() <= driver.worker_env(config.parse(BASE)).items()
     assert CACHING_ALLOCATOR_ENV.items() <= driver.worker_env().items()  # the shared clusters of tests and jobs
-    system = config.parse({**BASE, "scaling": {"num_workers": 2, "host_allocator": "system"}})
-    assert not set(CACHING_ALLOCATOR_ENV) & set(driver.worker_env(system))
+    for scaling in ({"host_allocator": "system"}, {"use_gpu": True}):
+        spec = config.parse({**BASE, "scaling": {"num_workers": 2, **scaling}})
+        assert not set(CACHING_ALLOCATOR_ENV) & set(driver.worker_env(spec)), scaling
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator settings; Linux only")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator settings (MALLOC_*); no glibc here")
 def test_a_step_takes_again_what_the_last_one_freed_without_page_faults():
     system = faults_per_ten_steps({})
     caching = faults_per_ten_steps(CACHING_ALLOCATOR_ENV)
     returned = faults_per_ten_steps(CACHING_ALLOCATOR_ENV, "return")
     print(f"\npage faults in ten 64 MiB steps: system {system}, caching {caching}, caching then returned {returned}")
-    assert system > PAGES // 2  # every step's tensor is a new mapping
-    assert caching < PAGES // 50  # the heap's pages, faulted in once, are used again
-    assert returned > PAGES // 2  # the memory benchmark's peak follows what is in use again
+    # Ratios, not page counts: with transparent huge pages always on, a new 64 MiB mapping faults 32 times.
+    assert system >= 20 * (caching + 1)  # every step's tensor is a new mapping; the heap's pages are used again
+    assert returned >= 20 * (caching + 1)  # the memory benchmark's peak follows what is in use again
+    assert caching < PAGES // 50
 
 
 def test_an_unknown_allocator_is_refused():

@@ -146,3 +146,19 @@ def test_memory_judges_compare_with_data_parallel():
     v = reproduce.judge_megatron(records, mt)
     assert v.outcome == "held" and "a U: lowest at T=2" in v.summary
     assert reproduce.judge_megatron(records[:2], mt[:2]).outcome == "partly"
+
+
+def test_every_finding_names_the_commit_reproduce_started_from(monkeypatch, tmp_path):
+    """The findings after the first would otherwise name the commit with '+changes': the pages the ones
+    before them wrote are tracked files."""
+    commits = iter(["fd5b879", "fd5b879+changes"])
+    monkeypatch.setattr(reproduce, "provenance_commit", lambda: next(commits))
+    named = []
+
+    def run_finding(pl, out, address=None, log=None, commit=None):
+        named.append(commit)
+        return tmp_path / pl.finding.name, reproduce.Verdict("held", "", ""), 1.0
+
+    monkeypatch.setattr(reproduce, "run_finding", run_finding)
+    assert cli.main(["reproduce", "staleness", "identical-curves", "--out", str(tmp_path)]) == 0
+    assert named == ["fd5b879", "fd5b879"]

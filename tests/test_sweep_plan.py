@@ -44,6 +44,7 @@ def test_grid_times_cases_and_lr_scaling():
     ({"random": {"train.lr": {"min": -1.0, "max": 1e-4}}}, "train.lr", "must be > 0"),
     ({"grid": {"scaling.num_workers": [1]}, "metric": "val_bleu"}, "sweep.metric", "does not produce"),
     ({"grid": {"scaling.num_workers": [1]}, "searchh": "grid"}, "sweep.searchh", "did you mean 'search'"),
+    ({"grid": {"scaling.host_allocator": ["caching", "system"]}}, "scaling.host_allocator", "one Ray job"),
 ])
 def test_bad_sweep_is_refused(sweep, field, words):
     with pytest.raises(ConfigError) as err:

@@ -112,7 +112,7 @@ _DEFAULT_MMAP_MAX, _DEFAULT_TRIM_THRESHOLD = 65536, 128 * 1024
 # reads MALLOC_* once, at start). With glibc's defaults a block of 32 MiB or more (a GPT-2's logits
 # and their gradient: batch x tokens x vocabulary floats) is an mmap of its own, unmapped when freed,
 # and every step faults its pages in again, zeroed: 70,000 page faults a step on the quickstart's
-# model, a fifth of its step time on a 2-core CPU. torch keeps no cache of host memory the way its
+# model, a quarter to a third of its step time on a 2-core CPU. torch keeps no cache of host memory the way its
 # CUDA allocator does, so the C heap keeps it instead: no mmaps (MMAP_MAX 0), never trimmed (TRIM
 # huge), and one arena (ARENA_MAX 1), because Ray Train runs the training function in a thread of
 # its own and glibc gives such a thread a secondary arena, whose heaps (64 MiB at most) it shrinks
@@ -126,7 +126,7 @@ CACHING_ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALL
 def _mallopt(*settings: tuple[int, int]) -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return all(libc.mallopt(param, value) for param, value in settings)
+        return all([libc.mallopt(param, value) for param, value in settings])  # each one, even after a refusal
     except (OSError, AttributeError):
         return False
 
