@@ -6,7 +6,7 @@ worker is killed with SIGKILL from outside once the run has passed `--kill-after
 replaces the worker group and the loop resumes from the latest intact checkpoint.
 
     python benchmarks/recovery.py [--strategies ddp,zero-3,megatron,pipeline] [--steps 16]
-    python benchmarks/recovery.py --elastic [--steps 40]
+    python benchmarks/recovery.py --elastic [--steps 100]
 
 `--elastic` measures an elastic run (`scaling.num_workers: [1, 2]`) on a two-node cluster on this
 machine: a head of its own (`ray start --head`) holds one worker, a second Ray node (`ray start --address`) the other.
@@ -31,8 +31,10 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
+import psutil
 import ray
 from common import markdown_table, print_table, write_json, write_page
 from ray.util.state import list_actors
@@ -76,9 +78,8 @@ def measure(strategy: str, a, work: Path) -> dict:
     os.kill(workers[-1]["pid"], signal.SIGKILL)
     thread.join()
     records = done["result"].records
-    last = max(before, key=lambda r: r["step"])
     after = min((r for r in records if r.get("resumed_from_step") is not None), key=lambda r: r["step"])
-    at_kill = last["step"] + int((t_kill - last["timestamp"]) / (last["step_time_s"] or 1))
+    at_kill = step_at(t_kill, records)
     return {"strategy": strategy, "killed_at_step": at_kill, "resumed_from_step": after["resumed_from_step"],
             "steps_redone": max(0, at_kill - after["resumed_from_step"]),
             "recovery_s": after["started_at"] - t_kill, "completed": done["result"].error is None,
@@ -98,10 +99,12 @@ def start_head(cpus: int, work: Path) -> subprocess.Popen:
     # RAY_ADDRESS in the nodes' processes: Ray Train's placement-group cleaner looks the cluster up
     # without an address, and would find another one of this machine.
     os.environ["RAY_ADDRESS"] = address
-    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                             "--disable-usage-stats", f"--port={address.rpartition(':')[2]}", f"--num-cpus={cpus}",
-                             "--dashboard-host=127.0.0.1"], env=os.environ, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = work / "head.log"
+    with open(log, "ab") as out:
+        head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                                 "--disable-usage-stats", f"--port={address.rpartition(':')[2]}", f"--num-cpus={cpus}",
+                                 "--dashboard-host=127.0.0.1"], env=os.environ, start_new_session=True,
+                                stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while True:
         try:
@@ -110,7 +113,7 @@ def start_head(cpus: int, work: Path) -> subprocess.Popen:
         except (ConnectionError, RuntimeError):
             if head.poll() is not None or time.time() > deadline:
                 stop_node(head)
-                raise RuntimeError(f"the Ray head at {address} did not start within 120 s") from None
+                raise RuntimeError(f"the Ray head at {address} did not start within 120 s{_tail(log)}") from None
             time.sleep(1)
 
 
@@ -138,28 +141,65 @@ def with_token() -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
-def start_node(cpus: int) -> subprocess.Popen:
-    """A second Ray node on this machine, joined to the running cluster."""
-    node = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
-                             f"--address={ray.get_runtime_context().gcs_address}", f"--num-cpus={cpus}"],
-                            env=os.environ, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start_node(cpus: int, work: Path) -> subprocess.Popen:
+    """A second Ray node on this machine, joined to the running cluster; `ray start`'s output goes to
+    node.log in `work`, quoted if the node does not join."""
+    log = work / "node.log"
+    with open(log, "ab") as out:
+        node = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
+                                 f"--address={ray.get_runtime_context().gcs_address}", f"--num-cpus={cpus}"],
+                                env=os.environ, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while len([n for n in ray.nodes() if n["Alive"]]) < 2:
         if node.poll() is not None or time.time() > deadline:
             stop_node(node)
-            raise RuntimeError("the second Ray node did not join the cluster within 120 s")
+            raise RuntimeError(f"the second Ray node did not join the cluster within 120 s{_tail(log)}")
         time.sleep(0.2)
     return node
 
 
+def _tail(log: Path, lines: int = 20) -> str:
+    text = log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else []
+    return f"; the end of {log}:\n" + "\n".join(text) if text else f" (nothing in {log})"
+
+
 def stop_node(node: subprocess.Popen) -> None:
-    """Kill the node's raylet and the workers on it at once (its own process group), as a lost machine."""
+    """Kill the node's raylet and the workers on it at once, as a lost machine: its process group and
+    every process below it (a worker outside the group would otherwise train on until it noticed its
+    raylet gone)."""
+    try:
+        below = psutil.Process(node.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        below = []
     try:
         os.killpg(node.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # it has ended already
+    for process in below:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
     node.wait()
+
+
+def runs(values: list) -> str:
+    """[2, 2, 1, 1, 1] -> '2 x2, 1 x3'."""
+    out = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([v, 1])
+    return ", ".join(f"{v} x{n}" for v, n in out)
+
+
+def step_at(t: float, records: list[dict]) -> int:
+    """The step a run was at when time `t` came: estimated from the last evaluation before it and its
+    step time, and at least the last step the worker group of that time went on to record."""
+    last = max((r for r in records if r["timestamp"] <= t), key=lambda r: r["step"])
+    estimate = last["step"] + int((t - last["timestamp"]) / (last["step_time_s"] or 1))
+    return max([estimate] + [r["step"] for r in records if r["started_at"] <= t])
 
 
 def _wait_for(metrics: Path, thread: threading.Thread, test) -> list[dict]:
@@ -178,7 +218,7 @@ def measure_elastic(a, work: Path) -> dict:
     fixed = load_experiment(a.experiment, [*common, "scaling.num_workers=2", f"output_dir={work / 'fixed'}"])
     spec = load_experiment(a.experiment, [*common, "scaling.num_workers=[1, 2]", "scaling.resize_interval_s=2",
                                           "train.max_failures=1", f"output_dir={work / 'elastic'}"])
-    node = start_node(a.node_cpus)
+    node = start_node(a.node_cpus, work)
     try:
         reference = run_experiment(fixed, log=lambda *_: None).records
         done = {}
@@ -192,17 +232,16 @@ def measure_elastic(a, work: Path) -> dict:
         stop_node(node)
         shrunk = _wait_for(metrics, thread, lambda r: r["num_workers"] == 1 and r["timestamp"] > t_loss)
         t_back = time.time()
-        node = start_node(a.node_cpus)
+        node = start_node(a.node_cpus, work)
         grown = _wait_for(metrics, thread, lambda r: r["num_workers"] == 2 and r["timestamp"] > t_back)
         thread.join()
     finally:
         if node.poll() is None:
             stop_node(node)
     records = done["result"].records
-    last = max(before, key=lambda r: r["step"])
     resumed = min((r for r in records if r.get("resumed_from_step") is not None and r["started_at"] > t_loss),
                   key=lambda r: r["step"])
-    at_loss = last["step"] + int((t_loss - last["timestamp"]) / (last["step_time_s"] or 1))
+    at_loss = step_at(t_loss, records)
     return {"strategy": "ddp, elastic [1, 2]", "node_lost_at_step": at_loss,
             "resumed_from_step": resumed["resumed_from_step"],
             "steps_redone": max(0, at_loss - resumed["resumed_from_step"]),
@@ -219,7 +258,7 @@ def main() -> None:
     p.add_argument("--strategies", default="ddp,zero-3,megatron,pipeline",
                    help=f"comma-separated, of: {', '.join(STRATEGIES)}")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, help="steps of each run (default 16; --elastic: 40)")
+    p.add_argument("--steps", type=int, help="steps of each run (default 16; --elastic: 100, so that the run outlasts the node's return, about 30-45 s)")
     p.add_argument("--kill-after", type=int, default=4)
     p.add_argument("--checkpoint-every", type=int, default=2, help="evaluations (every 2 steps) per checkpoint")
     p.add_argument("--elastic", action="store_true", help="measure an elastic run losing a node and regaining it")
@@ -227,7 +266,7 @@ def main() -> None:
     p.add_argument("--out", help="the JSON file (default benchmarks/results/recovery[-elastic].json)")
     p.add_argument("--page", help="the docs page (default docs/recovery[-elastic].md)")
     a = p.parse_args()
-    a.steps = a.steps or (40 if a.elastic else 16)
+    a.steps = a.steps or (100 if a.elastic else 16)
     if a.elastic:
         with_token()
         # The head holds one worker (and a CPU for Ray Data); the second node the other.
@@ -235,15 +274,20 @@ def main() -> None:
         head = start_head(a.node_cpus + 1, work)
         try:
             r = measure_elastic(a, work)
+        except BaseException:
+            # Printed now: shutting Ray down under a training thread that is still running ends this
+            # process before the traceback would be.
+            traceback.print_exc()
+            raise
         finally:
             ray.shutdown()
             stop_node(head)
             forget_head(os.environ["RAY_ADDRESS"])
         head = ["run", "node lost at step", "resumed from", "steps redone", "loss -> training (s)",
-                "return -> 2 workers (s)", "workers per evaluation", "final val_loss (fixed run)"]
+                "return -> 2 workers (s)", "workers per evaluation (x times)", "final val_loss (fixed run)"]
         rows = [[r["strategy"], r["node_lost_at_step"], r["resumed_from_step"], r["steps_redone"],
                  f"{r['recovery_s']:.1f}", "-" if r["grow_s"] is None else f"{r['grow_s']:.1f}",
-                 " ".join(map(str, r["workers"])), f"{r['final_val_loss']:.6f} ({r['fixed_final_val_loss']:.6f})"]]
+                 runs(r["workers"]), f"{r['final_val_loss']:.6f} ({r['fixed_final_val_loss']:.6f})"]]
         print_table(head, rows)
         print(f"written {write_json('recovery-elastic', {'rows': [r], 'steps': a.steps}, a.out)}")
         same = abs(r["final_val_loss"] - r["fixed_final_val_loss"]) <= 1e-5 * abs(r["fixed_final_val_loss"])

@@ -35,6 +35,7 @@ from raytrain_par.driver import ray_cluster, run_experiment
 from raytrain_par.goodput import reference_spec
 from raytrain_par.metrics.efficiency import crossing
 from raytrain_par.metrics.goodput import fit_reference
+from raytrain_par.metrics.records import read_records
 from raytrain_par.sweep import check_goodput, plan
 
 HERE = Path(__file__).resolve().parent
@@ -118,8 +119,7 @@ def main() -> None:
         print(f"note: {note}")
     made = provenance()
     if a.records:
-        import pyarrow.parquet as pq
-        records = pq.read_table(a.records).to_pylist()
+        records = read_records(a.records)
     else:
         with ray_cluster(ref):
             records = run_experiment(ref).records

@@ -77,7 +77,11 @@ def write_table(path: str | Path, rows: list[dict]) -> Path:
 
 
 def read_records(path: str | Path) -> list[dict]:
-    return pq.read_table(path).to_pylist()
+    # Read through one open file: given a path, pyarrow may open it again between the footer and the
+    # pages, and a writer replacing the file in between (a run's records, read while it trains) would
+    # make it read the pages of one file by the footer of another.
+    with open(path, "rb") as f:
+        return pq.read_table(f).to_pylist()
 
 
 def gib(n) -> str:
