@@ -243,7 +243,10 @@ def build_ddp(c, device, dtype, batch, note):
 
 def build_fsdp(c, device, dtype, batch, note):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch before 2.6 keeps FSDP2 here
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = build_model(c, device)
     mesh = init_device_mesh(device.type, (1,))
@@ -419,16 +422,25 @@ def measure(build: Callable, s: Setup, batch: int) -> dict:
         for _ in range(s.warmup):
             loss = step(x, y)
         sync(s.device)
+        retries = alloc_retries(s.device)
         t0 = time.perf_counter()
         for _ in range(s.steps):
             loss = step(x, y)
         sync(s.device)
         elapsed = time.perf_counter() - t0
+        retries = None if retries is None else alloc_retries(s.device) - retries
     finally:
         close_quietly(close)
     return {"step_time_s": elapsed / s.steps, "loss": float(loss), "allocated_before_model_bytes": before,
+            "alloc_retries": retries,
             "peak_mem_bytes": torch.cuda.max_memory_allocated(s.device) if cuda else None,
             "model_state_bytes": after_step["bytes"] - before if cuda else None}
+
+
+def alloc_retries(device: torch.device) -> Optional[int]:
+    """How often CUDA's caching allocator has had to free its cache and try again (None off CUDA). A batch at
+    the edge of memory can fit only that way: every retry synchronizes, and the step time goes up unseen."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else None
 
 
 def empty_row(strategy: str, status: str, flops: dict, device: torch.device) -> dict:
@@ -437,7 +449,7 @@ def empty_row(strategy: str, status: str, flops: dict, device: torch.device) -> 
     return {"strategy": strategy, "status": status, "batch": None, "batch_how": None, "tokens_per_step": None,
             "step_time_s": None, "tokens_per_s": None, "achieved_tflops": None, "mfu_vs_datasheet": None,
             "mfu_vs_measured": None, "loss": None, "peak_mem_bytes": None, "model_state_bytes": None,
-            "allocated_before_model_bytes": None, "model_state_bytes_per_param": None,
+            "allocated_before_model_bytes": None, "model_state_bytes_per_param": None, "alloc_retries": None,
             "theory_bytes_per_param": THEORY_BYTES_PER_PARAM, "theory_model_state_bytes": THEORY_BYTES_PER_PARAM * params,
             "memory_note": None if device.type == "cuda" else
             "null on CPU: CUDA memory statistics only (benchmarks/memory.py measures host memory)"}
@@ -466,13 +478,18 @@ def run_strategy(name: str, s: Setup, flops: dict, peaks: dict) -> dict:
                     raise
                 oom = True
             free(s.device)
-            if not oom:
+            # A searched batch that only fitted by the allocator freeing its cache and retrying is timed at
+            # half the batch instead; one the user chose is kept, and the row says so.
+            retried = not oom and m["alloc_retries"] and not s.batch and batch > 1
+            if not oom and not retried:
                 break
             if s.batch or batch == 1:
                 row["status"] = (f"failed: batch {batch} ({how}) runs out of CUDA memory; fix: a smaller --batch, "
                                  "or leave --batch out to search for the largest that fits")
                 return row
-            batch, how = batch // 2, f"{how}; halved: {batch} ran out of memory in the timed run"
+            why = (f"the allocator freed its cache and retried {m['alloc_retries']} times in the timed run at {batch}"
+                   if retried else f"{batch} ran out of memory in the timed run")
+            batch, how = batch // 2, f"{how}; halved: {why}"
     except Exception as e:
         traceback.print_exc()
         free(s.device)
@@ -486,7 +503,10 @@ def run_strategy(name: str, s: Setup, flops: dict, peaks: dict) -> dict:
                mfu_vs_datasheet=(mfu(step_flops, step_s, 1, peaks["datasheet_tflops"])
                                  if peaks["datasheet_tflops"] else None),
                peak_mem_bytes=m["peak_mem_bytes"], model_state_bytes=m["model_state_bytes"],
-               allocated_before_model_bytes=m["allocated_before_model_bytes"])
+               allocated_before_model_bytes=m["allocated_before_model_bytes"], alloc_retries=m["alloc_retries"])
+    if m["alloc_retries"]:
+        row["status"] = (f"ok, but the allocator freed its cache and retried {m['alloc_retries']} times in the timed "
+                         f"steps (the step time includes them); fix: a smaller --batch")
     if m["model_state_bytes"] is not None:
         row["model_state_bytes_per_param"] = m["model_state_bytes"] / flops["formula"]["params"]
     if not math.isfinite(m["loss"]):
@@ -626,6 +646,11 @@ def main(argv=None) -> int:
     start = time.monotonic()
     a = parse_args(argv)
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        # Before CUDA's allocator starts (it reads this once): segments that grow in place, so that the
+        # batch search's freed blocks do not fragment the memory the timed runs build in (torchtitan's
+        # setting too). A value already set is kept, and the page records it.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -675,7 +700,8 @@ def main(argv=None) -> int:
             print(f"{strategy}: {rows[-1]['status']} ({time.monotonic() - now:.1f} s)", flush=True)
 
     met, target = target_line(rows, peaks)
-    env = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR",
+                                                       "PYTORCH_CUDA_ALLOC_CONF")
                    if k in os.environ)
     p = provenance()
     run = {"date": p["date"], "commit": p["commit"], "device": name, "device_kind": device.type,

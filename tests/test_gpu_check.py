@@ -200,6 +200,24 @@ def test_a_batch_that_runs_out_of_memory_in_the_timed_run_is_halved(gpu_check, m
     assert row["status"].startswith("failed: batch 4 (--batch) runs out of CUDA memory; fix: a smaller --batch")
 
 
+def test_a_batch_that_fits_only_by_allocator_retries_is_halved(gpu_check, monkeypatch):
+    measure = gpu_check.measure
+
+    def retrying_above_4(build, s, batch):  # CUDA's allocator freeing its cache to fit batches above 4
+        return {**measure(build, s, batch), "alloc_retries": 3 if batch > 4 else 0}
+    monkeypatch.setattr(gpu_check, "measure", retrying_above_4)
+    build, builds = fake_build([1000])
+    monkeypatch.setitem(gpu_check.BUILDERS, "ddp", build)
+    flops = {"per_token": 1e6, "formula": {"params": 1000}}
+    peaks = {"measured_tflops": 1.0, "datasheet_tflops": None}
+    row = gpu_check.run_strategy("ddp", setup(gpu_check, max_batch=8), flops, peaks)
+    assert row["status"] == "ok" and row["batch"] == 4 and row["alloc_retries"] == 0
+    assert "halved: the allocator freed its cache and retried 3 times in the timed run at 8" in row["batch_how"]
+    row = gpu_check.run_strategy("ddp", setup(gpu_check, batch=8, batch_how="--batch"), flops, peaks)
+    assert row["batch"] == 8 and row["alloc_retries"] == 3  # the user's batch is kept, and the row says why it is slow
+    assert row["status"].startswith("ok, but the allocator freed its cache and retried 3 times") and "--batch" in row["status"]
+
+
 def test_time_budget_skips_strategies_with_a_row_saying_so(gpu_check, tmp_path):
     assert gpu_check.main(["--device", "cpu", "--strategies", "ddp,fsdp", "--time-budget", "0.001",
                            "--out-dir", str(tmp_path)]) == 0
