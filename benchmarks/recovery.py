@@ -23,6 +23,7 @@ Strategies are named as under `strategy.name`; the model-parallel ones run with 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import secrets
 import signal
@@ -185,13 +186,7 @@ def stop_node(node: subprocess.Popen) -> None:
 
 def runs(values: list) -> str:
     """[2, 2, 1, 1, 1] -> '2 x2, 1 x3'."""
-    out = []
-    for v in values:
-        if out and out[-1][0] == v:
-            out[-1][1] += 1
-        else:
-            out.append([v, 1])
-    return ", ".join(f"{v} x{n}" for v, n in out)
+    return ", ".join(f"{v} x{len(list(same))}" for v, same in itertools.groupby(values))
 
 
 def step_at(t: float, records: list[dict]) -> int:

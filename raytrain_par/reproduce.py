@@ -29,8 +29,7 @@ from typing import Callable
 
 from .config import ExperimentSpec, load_experiment
 from .errors import UserError, say
-from .provenance import commit as provenance_commit
-from .provenance import markdown_table, provenance, write_page
+from .provenance import commit as provenance_commit, markdown_table, provenance, write_page
 from .sweep import describe, plan
 
 REPO = Path(__file__).resolve().parent.parent

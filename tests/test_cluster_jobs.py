@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from conftest import REPO
+from raytrain_par.metrics.records import read_records
 
 pytestmark = pytest.mark.ray
 
@@ -265,7 +266,7 @@ def test_elastic_job_keeps_training_when_a_node_goes(head, tmp_path, info):
         metrics = tmp_path / "quickstart" / "metrics.parquet"
 
         def records():
-            return pq.read_table(metrics).to_pylist() if metrics.exists() else []
+            return read_records(metrics) if metrics.exists() else []  # while the job replaces the file
 
         def seen(test):
             assert head.job_status("rtp-elastic") in ("PENDING", "RUNNING"), \
