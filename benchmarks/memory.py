@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                 reports = measure(s.to_dict(), info, n, args.steps)
                 worst = max(reports, key=lambda r: r["memory"]["mem_model_state_bytes"])
                 mem, params = worst["memory"], worst["num_params"]
-                est = strategies.engine_class(name).model_state_bytes(s.strategy.options, s.train, n, params)
+                est = strategies.engine_class(name, s.strategy.options).model_state_bytes(s.strategy.options, s.train, n, params)
                 row = {
                     "strategy": name, "workers": n, "precision": precision, "num_params": params,
                     "measured_bytes": mem["mem_model_state_bytes"], "census_bytes": mem["mem_model_state_census_bytes"],

@@ -94,9 +94,7 @@ def start_head(cpus: int, work: Path) -> subprocess.Popen:
     `with_token` set."""
     from raytrain_par.local_group import free_port
 
-    from ray._private.services import get_node_ip_address
-
-    address = f"{get_node_ip_address()}:{free_port()}"
+    address = f"{ray.util.get_node_ip_address()}:{free_port()}"
     # RAY_ADDRESS in the nodes' processes: Ray Train's placement-group cleaner looks the cluster up
     # without an address, and would find another one of this machine.
     os.environ["RAY_ADDRESS"] = address
@@ -121,9 +119,9 @@ def start_head(cpus: int, work: Path) -> subprocess.Popen:
 def forget_head(address: str) -> None:
     """`ray start --head` records the head as this machine's current cluster (Ray's address file, which
     a later `ray.init()` without an address joins); killed, it cannot take that back itself."""
-    from ray._common.utils import get_ray_address_file
+    from raytrain_par.ray_private import ray_address_file
 
-    recorded = Path(get_ray_address_file(None))
+    recorded = Path(ray_address_file())
     if recorded.exists() and recorded.read_text().strip() == address:
         recorded.unlink()
 

@@ -138,7 +138,8 @@ def check_file(path: Path) -> ClusterFile:
 
 def _check_launcher(cluster: ClusterFile, raw: dict) -> None:
     import jsonschema
-    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    from .ray_private import prepare_config, validate_config
 
     provider = raw.get("provider")
     if not isinstance(provider, dict) or not isinstance(provider.get("type"), str):
@@ -195,12 +196,13 @@ def _check_launcher(cluster: ClusterFile, raw: dict) -> None:
         return
     head_type = config.get("head_node_type")
     if ptype == "fake_multinode":
-        from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE_TYPE
+        from .ray_private import fake_multinode_head_type
 
-        if head_type != FAKE_HEAD_NODE_TYPE:
+        fake_head = fake_multinode_head_type()
+        if head_type != fake_head:
             cluster.problem("head_node_type", head_type, f"the fake_multinode provider names its head node type "
-                            f"{FAKE_HEAD_NODE_TYPE!r}; the autoscaler would not recognise the head",
-                            f"rename the head node type to {FAKE_HEAD_NODE_TYPE}")
+                            f"{fake_head!r}; the autoscaler would not recognise the head",
+                            f"rename the head node type to {fake_head}")
     for name, t in config.get("available_node_types", {}).items():
         head = name == head_type
         lo, hi = t.get("min_workers", 0), t.get("max_workers", 0 if head else config.get("max_workers", 0))
@@ -294,11 +296,11 @@ def _check_kuberay(cluster: ClusterFile, doc: dict) -> None:
     _check_cluster_spec(cluster, spec, prefix)
     if len(cluster.problems) > before:
         return  # Ray's translation would only fail on the same problems, less clearly
-    from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
+    from .ray_private import kuberay_autoscaling_config
 
     try:
         # What the in-tree autoscaler reads from the RayCluster, validated against ray-schema.json.
-        config = _derive_autoscaling_config_from_ray_cr(
+        config = kuberay_autoscaling_config(
             {"metadata": {"name": name or "raycluster", "namespace": "default"}, "spec": spec})
     except Exception as e:  # noqa: BLE001 — any failure of Ray's translation is a problem of the file
         cluster.problem(prefix, "(cluster spec)", f"Ray's autoscaler cannot read it: {e}",

@@ -229,7 +229,7 @@ class ExperimentSpec:
     @property
     def layout(self):
         """The parallel layout (strategies/layout.py): pipeline, tensor and data-parallel degrees."""
-        return self.strategy.options.layout(self.scaling.num_workers)
+        return strategies.layout_of(self.strategy, self.scaling.num_workers)
 
     @property
     def data_parallel_size(self) -> int:
@@ -556,7 +556,7 @@ def _validate_elastic(spec: ExperimentSpec) -> None:
         why += f": {e.problem}"
         fields = {p.field for p in problems.values()}
         if fields == {"train.global_batch_size"}:  # the layout suits every count; the batch does not split
-            per_step = math.lcm(*(spec.strategy.options.layout(n).data for n in s.worker_counts))
+            per_step = math.lcm(*(strategies.layout_of(spec.strategy, n).data for n in s.worker_counts))
             per_step *= t.gradient_accumulation_steps
             fix = (f"use a global batch every count splits, a multiple of {per_step} (e.g. "
                    f"{-(-t.global_batch_size // per_step) * per_step})")

@@ -117,36 +117,22 @@ def start_local_cluster(num_cpus: int, env: dict[str, str]) -> None:
     cluster's GCS therefore starts on a port chosen here, and its workers get RAY_ADDRESS naming
     it; this process's own environment is left as it was.
     """
-    from ray._private import ray_constants
+    from .ray_private import gcs_port_env_var, single_machine_mode
 
     port = free_port()
     env = {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
-    with _single_machine(), _environ({ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE: str(port)}):
+    with single_machine_mode(), _environ({gcs_port_env_var(): str(port)}):
         # address "local": a new cluster always, never one `ray start` left running or recorded
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                  runtime_env={"env_vars": env}, log_to_driver=True, logging_level="WARNING")
     _start_autoscaling_coordinator()
 
 
-@contextmanager
-def _single_machine():
-    """Ray's single-machine mode for the block: addresses stay on the loopback interface."""
-    from ray._private import ray_constants
-
-    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        with _environ({ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR: "0"}):
-            yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-
-
 def _loopback_only(address: str) -> bool:
     """Whether `address` is a cluster of this machine that listens on the loopback address only (an
     embedded one). Ray rewrites 127.0.0.1 to the machine's network address before it connects, and
     would wait for minutes where nothing listens there."""
-    from ray._private.services import node_ip_address_from_perspective
+    from .ray_private import node_ip_address_from_perspective
 
     host, _, port = address.rpartition(":")
     if "://" in address or host not in ("127.0.0.1", "localhost") or not port.isdigit():
@@ -184,9 +170,11 @@ def ray_cluster(spec: ExperimentSpec, address: str | None = None, log=print):
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        from .ray_private import single_machine_mode
+
         log(f"joining the Ray cluster at {address}")
         try:
-            with _single_machine() if _loopback_only(address) else nullcontext():
+            with single_machine_mode() if _loopback_only(address) else nullcontext():
                 ray.init(address=address, runtime_env={"env_vars": worker_env(spec)}, log_to_driver=True)
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise _no_cluster(address, e) from None
@@ -194,9 +182,9 @@ def ray_cluster(spec: ExperimentSpec, address: str | None = None, log=print):
             # Ray Data keeps one detached stats actor per cluster, on the node of whoever first runs
             # a dataset. Made by a training worker it would keep that (GPU) node busy for good and
             # the autoscaler would never remove it: make it now, on the driver's node.
-            from ray.data._internal.stats import get_or_create_stats_actor
+            from .ray_private import create_data_stats_actor
 
-            get_or_create_stats_actor()
+            create_data_stats_actor()
             _start_autoscaling_coordinator()
     else:
         need = spec.scaling.num_workers * spec.scaling.cpus_per_worker
@@ -216,10 +204,9 @@ def _start_autoscaling_coordinator() -> None:
     workers, and waits 5 s for the answer; the first ask also starts the actor's process, which on a
     busy machine takes longer, and Ray prints the timeout with a traceback. Started here, on the
     driver's node (where the controller runs and would start it), the ask finds it ready."""
-    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-        get_or_create_autoscaling_coordinator)
+    from .ray_private import autoscaling_coordinator
 
-    ray.get(get_or_create_autoscaling_coordinator().__ray_ready__.remote(), timeout=120)
+    ray.get(autoscaling_coordinator().__ray_ready__.remote(), timeout=120)
 
 
 def preflight(spec: ExperimentSpec, address: str | None, log=print) -> None:

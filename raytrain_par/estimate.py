@@ -21,7 +21,7 @@ import torch
 from . import config, data, models, strategies
 from .errors import ConfigError, UserError
 from .metrics.memory import StateBytes, size_text
-from .strategies.base import DTYPES
+from .strategies.context import DTYPES
 
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
          "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}
@@ -66,7 +66,7 @@ def activation_bytes(model_spec, info, rows: int, precision: str, checkpointing:
     with FakeTensorMode():
         model, task = models.build(model_spec, info, seed=0)
         models.checkpoint_activations(model, checkpointing)
-        engine = strategies.engine_class(strategy.name if strategy else "ddp")
+        engine = strategies.engine_class(strategy.name, strategy.options) if strategy else strategies.engine_class("ddp")
         loss, held = engine.estimate_inputs(model, task, strategy.options if strategy else None)
         params = {p.untyped_storage()._cdata for p in held}
 
@@ -152,7 +152,7 @@ def pipeline_ranks(s: config.ExperimentSpec, info) -> list[RankEstimate]:
     of microbatch: the saved bytes grow linearly in the rows."""
     from .strategies.stages import split_model
 
-    cls, pipe = strategies.engine_class(s.strategy.name).estimate_pipeline(s.strategy.options)
+    cls, pipe = strategies.engine_class(s.strategy.name, s.strategy.options).estimate_pipeline(s.strategy.options)
     _, ranges, outputs = split_model(models.build_on_meta(s.model, info)[0], pipe.stages * pipe.stages_per_worker,
                                      pipe.split_points, pipe.balance)
     model, task = models.build_on_meta(s.model, info)
@@ -209,7 +209,7 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
             except ConfigError as e:
                 rows.append(Row(name, w, n, 0, 0, 0, 0, 0, note=f"not possible: {e.field} ({e.problem})"))
                 continue
-            cls = strategies.engine_class(name)
+            cls = strategies.engine_class(name, s.strategy.options)
             if cls.estimate_pipeline(s.strategy.options) is not None:
                 # the pipeline rank that holds the most, of its model states and activations together
                 r = max(pipeline_ranks(s, info), key=lambda r: r.device_bytes)

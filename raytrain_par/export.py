@@ -16,7 +16,7 @@ from pathlib import Path
 from . import config, data, models
 from .data.shards import DatasetInfo
 from .errors import UserError
-from .strategies.base import WEIGHTS_FILE, read_weights
+from .strategies.weights import WEIGHTS_FILE, read_weights
 
 
 def latest_checkpoint(run_dir: Path) -> Path:

@@ -83,7 +83,7 @@ def reference_spec(spec: ExperimentSpec) -> tuple[ExperimentSpec, str | None]:
     raw.update(sweep=None, name="reference", output_dir=str(spec.results_dir / "plan"))
     raw["train"].update(stop_at_target=True, eval_at_start=True)
     note = None
-    if not engine_class(spec.strategy.name).measures_noise_scale(spec.strategy.options, spec.train, spec.layout):
+    if not engine_class(spec.strategy.name, spec.strategy.options).measures_noise_scale(spec.strategy.options, spec.train, spec.layout):
         workers = max(2, spec.scaling.num_workers)
         precision = "fp32" if spec.train.precision == "fp16" else spec.train.precision
         what = f"{spec.strategy.name} on {spec.scaling.num_workers} worker(s)"

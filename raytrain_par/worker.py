@@ -34,7 +34,8 @@ from .metrics import flops
 from .metrics.records import RecordWriter, merge, progress_line
 from .metrics.timeline import profiled_step, warm_up_profiler
 from .strategies import DistContext, Engine
-from .strategies.base import DTYPES, WEIGHTS_FILE, write_weights
+from .strategies.context import DTYPES
+from .strategies.weights import WEIGHTS_FILE, write_weights
 
 
 @dataclass
@@ -93,7 +94,7 @@ class Trainer:
         self.t_setup = time.perf_counter() - startup_s
         model, self.task = models.build(spec.model, info, spec.train.seed)
         self.total_steps = spec.total_steps(steps_per_epoch(spec, info))
-        if strategies.engine_class(spec.strategy.name).profiles_steps:
+        if strategies.engine_class(spec.strategy.name, spec.strategy.options).profiles_steps:
             # The profiler's first use keeps tens of MB of host memory for good: take it before the
             # engine notes what the allocator holds, so that it does not count as model state.
             warm_up_profiler(ctx.device)
@@ -330,8 +331,8 @@ def time_steps(spec: ExperimentSpec, info: DatasetInfo, ctx: DistContext, arrays
     batches = (b for epoch in itertools.count() for b in loader.epoch(epoch))
     t0 = None
     for i, batch in enumerate(itertools.islice(batches, warmup + steps)):
-        if i == warmup:
-            float(engine.dp_sum(loss.detach().float()))  # waits for the device and for every worker
+        if i == warmup:  # waits for the device and for every worker
+            float(engine.dp_sum(torch.zeros((), device=engine.device)))
             t0 = time.perf_counter()
         loss = engine.train_step(batch)
     float(engine.dp_sum(loss.detach().float()))
@@ -371,13 +372,13 @@ def quiet_ray_logs() -> None:
     outside the `ray.train` hierarchy that RunConfig's LoggingConfig filters.)"""
     import logging
 
-    from ray.train.v2._internal.execution import context as train_context
+    from .ray_private import DATA_PROGRESS_LOGGER, train_context_logger_name
 
     level = os.environ.get("RAYTRAIN_PAR_RAY_LOG_LEVEL", "WARNING")
-    logging.getLogger(train_context.__file__).setLevel(level)
+    logging.getLogger(train_context_logger_name()).setLevel(level)
     logging.getLogger("ray.data").setLevel(level)
     # Ray Data (2.60) warns once per worker that progress bars are off: we turned them off.
-    logging.getLogger("ray.data._internal.progress").setLevel(max(logging.ERROR, logging.getLevelName(level)))
+    logging.getLogger(DATA_PROGRESS_LOGGER).setLevel(max(logging.ERROR, logging.getLevelName(level)))
 
 
 def _read_shard(name: str, info: DatasetInfo) -> dict[str, torch.Tensor]:

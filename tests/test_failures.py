@@ -23,7 +23,7 @@ from raytrain_par.errors import UserError
 from raytrain_par.local_group import run_ranks
 from raytrain_par.metrics.records import read_records
 from raytrain_par.strategies import DistContext
-from raytrain_par.strategies.base import lr_factor
+from raytrain_par.strategies.optim import lr_factor
 
 COMMON = ["train.eval_every_steps=2", "train.lr_schedule=constant", "train.warmup_steps=0", "train.grad_clip=0.0",
           "data.max_val_samples=16", "scaling.num_workers=2", "train.keep_checkpoints=2"]

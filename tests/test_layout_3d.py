@@ -41,16 +41,54 @@ def test_rank_order_keeps_tensor_groups_adjacent():
 
 @pytest.mark.parametrize("strategy,workers,want", [
     ("ddp", 4, Layout(1, 1, 4)),
-    ("zero-2", 4, Layout(1, 1, 4, "zero")),
+    ("zero-2", 4, Layout(1, 1, 4, "zero-2")),
     ({"name": "megatron", "tensor_parallel": 2, "data_parallel_sharding": "fsdp"}, 4, Layout(1, 2, 2, "fsdp")),
-    (three_d(), 8, Layout(2, 2, 2)),
-    ({"name": "pipeline", "stages": 2, "microbatches": 2}, 4, Layout(2, 1, 2)),
-    ({"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}, 4, Layout(2, 1, 2, "fsdp")),
+    (three_d(), 8, Layout(2, 2, 2, schedule="1f1b", microbatches=2)),
+    ({"name": "pipeline", "stages": 2, "microbatches": 2}, 4, Layout(2, 1, 2, schedule="1f1b", microbatches=2)),
+    ({"name": "pipeline", "stages": 2, "microbatches": 2, "data_parallel_sharding": "fsdp"}, 4,
+     Layout(2, 1, 2, "fsdp", "1f1b", 2)),
+    ({"name": "pipeline", "stages": 2, "schedule": "interleaved-1f1b"}, 2,
+     Layout(2, 1, 1, schedule="interleaved-1f1b", microbatches=8, virtual_stages=2)),
+    ({"name": "pipedream", "stages": 2}, 4, Layout(2, 1, 2, schedule="pipedream", microbatches=1)),
 ])
 def test_every_strategy_states_its_layout(strategy, workers, want):
     spec = config.parse(experiment(strategy=strategy, workers=workers, batch=16))
     assert spec.layout == want
     assert spec.per_worker_batch == 16 // want.data
+
+
+def _groups(rank, world):
+    """What this rank's placement holds, as rank lists (gloo groups cannot cross processes)."""
+    import torch.distributed as dist
+
+    from raytrain_par.strategies.layout import place
+
+    ranks = lambda g: None if g is None else dist.get_process_group_ranks(g)  # noqa: E731
+    data_only = place(Layout(1, 1, world, "zero-3"), rank, world, "cpu")
+    grid = place(Layout(2, 2, 1, schedule="1f1b", microbatches=2), rank, world, "cpu")
+    again = place(Layout(2, 2, 1, "none", "gpipe", 4), rank, world, "cpu")
+    tie = grid.group_along("pp", [0, 1], tag="tie")
+    return {"data_only": (ranks(data_only.dp_group), data_only.mesh_of("dp").size(),
+                          data_only.dp_group is dist.group.WORLD, data_only.pp_group, data_only.tp_group),
+            "grid": [ranks(grid.pp_group), ranks(grid.dp_group), ranks(grid.tp_group)],
+            "same_groups": again.pp_group is grid.pp_group and again.mesh is grid.mesh,
+            "tie": ranks(tie), "tie_again": grid.group_along("pp", [0, 1], tag="tie") is tie,
+            "loss": ranks(grid.group_along("pp", tag="loss")), "loss_is_pp": grid.group_along("pp", tag="loss")
+            is grid.pp_group, "fsdp_mesh": ranks(grid.mesh_of("tp").get_group())}
+
+
+def test_the_placement_owns_every_group():
+    """One mesh per layout's degrees, built once per process: data parallel only, one dimension whose
+    group is the default group; otherwise (pp, dp, tp) groups, and groups of their own along a
+    dimension (a tied weight's stages, a pipeline's loss) made for every rank alike."""
+    out = run_ranks(4, _groups)
+    for rank, got in enumerate(out):
+        assert got["data_only"] == ([0, 1, 2, 3], 4, True, None, None)
+        p, t = divmod(rank, 2)  # rank = p * T + t with D = 1
+        assert got["grid"] == [[t, 2 + t], [rank], [2 * p, 2 * p + 1]]
+        assert got["same_groups"] and got["tie_again"]
+        assert got["tie"] == got["loss"] == [t, 2 + t] and not got["loss_is_pp"]
+        assert got["fsdp_mesh"] == [2 * p, 2 * p + 1]
 
 
 # -- bad input -------------------------------------------------------------------------------------

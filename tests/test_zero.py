@@ -212,7 +212,7 @@ def test_export_writes_a_vgg_checkpoint_as_safetensors(tmp_path, info):
     from safetensors.torch import load_model
 
     from raytrain_par.export import export
-    from raytrain_par.strategies.base import WEIGHTS_FILE, write_weights
+    from raytrain_par.strategies.weights import WEIGHTS_FILE, write_weights
 
     raw = experiment({"name": "vgg11", "width": 0.125}, "digits", strategy="fsdp", workers=2)
     spec, data_info = config.from_dict(raw), DatasetInfo.from_json(info("digits"))

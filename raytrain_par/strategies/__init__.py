@@ -1,11 +1,14 @@
-"""Strategies by name. Adding one: a module with an `Engine` subclass whose `Options` dataclass lists
-its `strategy:` keys, one line here, and its tests."""
+"""Strategies by name: each name is a preset of the parallel layout (layout.py) and the engine that
+trains it. Adding one: a module with an `Engine` subclass whose `Options` dataclass lists its
+`strategy:` keys and says its layout, one line here, and its tests."""
 
 from __future__ import annotations
 
 import importlib
 
-from .base import DistContext, Engine
+from .base import Engine
+from .context import DistContext
+from .layout import Layout
 
 REGISTRY: dict[str, str] = {
     "ddp": "raytrain_par.strategies.ddp:DDPEngine",
@@ -20,14 +23,23 @@ REGISTRY: dict[str, str] = {
 NAMES = tuple(REGISTRY)
 
 
-def engine_class(name: str) -> type[Engine]:
-    module, cls = REGISTRY[name].split(":")
+def engine_class(name: str, options=None) -> type[Engine]:
+    """The engine of strategy `name`; given its options, the one they choose where a strategy's options
+    pick among engines (`Options.engine`: megatron with stages runs on the pipeline engine's schedules).
+    Without options, the registry's (whose `Options` parses the `strategy:` keys)."""
+    path = getattr(options, "engine", None) or REGISTRY[name]
+    module, cls = path.split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def layout_of(strategy, workers: int) -> Layout:
+    """The layout a strategy (the experiment's StrategySpec: name + options) stands for on `workers`."""
+    return engine_class(strategy.name, strategy.options).layout_for(strategy.options, workers)
 
 
 def build_engine(strategy, model, task, train, ctx: DistContext, total_steps: int) -> Engine:
     """`strategy`: the experiment's StrategySpec (name + options)."""
-    return engine_class(strategy.name)(model, task, train, strategy.options, ctx, total_steps)
+    return engine_class(strategy.name, strategy.options)(model, task, train, strategy.options, ctx, total_steps)
 
 
-__all__ = ["DistContext", "Engine", "NAMES", "REGISTRY", "engine_class", "build_engine"]
+__all__ = ["DistContext", "Engine", "Layout", "NAMES", "REGISTRY", "engine_class", "layout_of", "build_engine"]

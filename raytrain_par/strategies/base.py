@@ -12,10 +12,8 @@ torch.multiprocessing group, given an initialised default process group (or none
 from __future__ import annotations
 
 import contextlib
-import json
-import math
+import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -28,74 +26,8 @@ from ..metrics.memory import (Sharding, StateBytes, allocated_bytes, model_state
                               optimizer_state_bytes, peak_bytes, storage_bytes)
 from .. import models
 from ..models import checkpoint_activations, parameter_count
+from .context import DTYPES, DistContext
 from .layout import Layout, Placement, place
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class DistContext:
-    """Where this worker sits: its rank among `world_size` and the device it computes on."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @classmethod
-    def current(cls, device: torch.device | str | None = None) -> "DistContext":
-        """From the default process group (if any); device defaults to this rank's GPU or the CPU."""
-        if dist.is_available() and dist.is_initialized():
-            rank, world = dist.get_rank(), dist.get_world_size()
-        else:
-            rank, world = 0, 1
-        local = int(__import__("os").environ.get("LOCAL_RANK", 0))
-        if device is None:
-            device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-        return cls(rank, world, local, torch.device(device))
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only, not on biases, norms or gains (as GPT-2 and nanoGPT train)."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_optimizer(model: nn.Module, train) -> torch.optim.Optimizer:
-    groups = parameter_groups(model, train.weight_decay)
-    if train.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps)
-    if train.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=train.lr, momentum=train.momentum)
-    if train.optimizer == "lamb":
-        from .lamb import Lamb
-
-        return Lamb(groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps)
-    raise ValueError(f"unknown optimizer {train.optimizer!r}")
-
-
-def lr_factor(train, total_steps: int):
-    """Multiplier of train.lr at each step: linear warm-up, then constant, cosine or linear decay."""
-    warmup = train.warmup_steps
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if train.lr_schedule == "constant" or total_steps <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        if train.lr_schedule == "cosine":
-            return train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-        return train.min_lr_ratio + (1 - train.min_lr_ratio) * (1 - progress)
-
-    return factor
 
 
 def padded(batches: list, passes: int) -> Iterator[tuple[dict, bool]]:
@@ -111,41 +43,6 @@ def split_batch(batch: dict[str, torch.Tensor], parts: int) -> list[dict[str, to
         return [batch]
     chunks = {k: v.chunk(parts) for k, v in batch.items()}
     return [{k: chunks[k][i] for k in batch} for i in range(parts)]
-
-
-# -- tensors sharded by FSDP2 (DTensors) ------------------------------------------------------------
-
-def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's state dict with sharded states gathered whole (a collective over their mesh)."""
-    state = optimizer.state_dict()
-    state["state"] = {i: {k: whole_tensor(v) for k, v in s.items()} for i, s in state["state"].items()}
-    return state
-
-
-def sliced_optimizer_state(state: dict, optimizer: torch.optim.Optimizer) -> dict:
-    """A whole optimizer state dict cut into this rank's slices of the optimizer's sharded parameters."""
-    order = [p for g in optimizer.param_groups for p in g["params"]]
-    state["state"] = {i: {k: slice_like(v, order[int(i)]) for k, v in s.items()} for i, s in state["state"].items()}
-    return state
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor (an FSDP-sharded DTensor's local slice; a plain tensor itself)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def whole_tensor(t):
-    """An FSDP-sharded DTensor gathered whole (a collective over its mesh); anything else as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def slice_like(value, param):
-    """A whole tensor cut into this rank's slice of `param`'s FSDP layout (no communication)."""
-    if param is None or not hasattr(param, "device_mesh") or not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
 
 
 class Engine(ABC):
@@ -171,7 +68,7 @@ class Engine(ABC):
         self.total_steps = total_steps
         self.device = ctx.device
         # The layout and this rank's groups, first: their communication buffers are not model state.
-        self.layout: Layout = options.layout(ctx.world_size)
+        self.layout: Layout = self.layout_for(options, ctx.world_size)
         self.placement: Placement = place(self.layout, ctx.rank, ctx.world_size, ctx.device.type)
         if self.device.type == "cuda" and train.precision == "bf16" and not torch.cuda.is_bf16_supported():
             raise ValueError(f"train.precision = 'bf16': {torch.cuda.get_device_name(self.device)} has no bf16 "
@@ -186,12 +83,18 @@ class Engine(ABC):
         # What the allocator held before this engine existed, not counting the model it was handed
         # (whose storages the engine takes over, moves or replaces): model states held later are
         # measured against it. The first optimizer a process builds imports torch._dynamo (tens of
-        # MB of modules, not model state): import it first.
-        import torch._dynamo  # noqa: F401
+        # MB of modules, not model state): import it first (by importlib: an `import torch._dynamo`
+        # here would make `torch` a local name of this method, unbound in the lines above it).
+        importlib.import_module("torch._dynamo")
 
         in_use = allocated_bytes(self.device)
         on_device = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == self.device.type]
         self._baseline = None if in_use is None else in_use - storage_bytes(on_device)
+
+    @classmethod
+    def layout_for(cls, options, workers: int) -> Layout:
+        """The layout this strategy's name and options stand for on `workers` workers (layout.py)."""
+        return options.layout(workers)
 
     # -- data-parallel layout: which slice of each global batch this rank reads (layout.py) ----------
     @property
@@ -446,66 +349,3 @@ class Engine(ABC):
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict (gathered where it is sharded), on every rank."""
-
-
-def check_host_memory(spec, engine_cls, options, field_: str, error) -> None:
-    """Offloading strategies: the states they move to host memory must fit there. Counts the
-    model's parameters on the meta device (no memory, any size)."""
-    from .. import data, models
-    from ..metrics.memory import available_host_memory, size_text
-
-    model, _ = models.build_on_meta(spec.model, data.shape_of(spec.data))
-    n = models.parameter_count(model)
-    est = engine_cls.model_state_bytes(options, spec.train, spec.layout.data, n)
-    if options.host_memory_gb is not None:
-        per_worker, where = options.host_memory_gb * 2**30, f"strategy.host_memory_gb = {options.host_memory_gb:g}"
-    else:
-        free = available_host_memory()
-        per_worker = free / spec.scaling.num_workers
-        where = f"{size_text(free)} available on this machine for {spec.scaling.num_workers} worker(s)"
-    if est.offloaded > per_worker:
-        error(field_, True, f"the offloaded states of {n / 1e6:.1f}M parameters need {size_text(est.offloaded)} "
-              f"of host memory per worker, more than the {size_text(per_worker)} there is ({where})",
-              "use more workers (the offloaded states are divided among them), a machine with more memory, "
-              "or turn offloading off; set strategy.host_memory_gb if workers run on other machines")
-
-
-def load_tensors(path: Path, device: torch.device):
-    """torch.load that never unpickles arbitrary objects."""
-    return torch.load(path, map_location=device, weights_only=True)
-
-
-# -- the consolidated model of a checkpoint --------------------------------------------------------
-# Every checkpoint carries the plain model's weights in one safetensors file, whatever the strategy
-# (written from `Engine.full_state_dict()` by rank 0), so that a sharded checkpoint can be exported
-# without the process group that wrote it.
-WEIGHTS_FILE = "model.safetensors"
-
-
-def write_weights(state: dict[str, torch.Tensor], path: Path) -> None:
-    """A state dict -> safetensors. Entries sharing a storage (tied weights) are written once and
-    listed in the file's metadata, since safetensors refuses shared tensors."""
-    from safetensors.torch import save_file
-
-    kept, aliases, owner = {}, {}, {}
-    for name, t in state.items():
-        t = t.detach().cpu()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-        if key in owner:
-            aliases[name] = owner[key]
-        else:
-            owner[key] = name
-            kept[name] = t.contiguous()
-    save_file(kept, str(path), metadata={"aliases": json.dumps(aliases)})
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    state = load_file(str(path))
-    with safe_open(str(path), "pt") as f:
-        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-    for name, target in aliases.items():
-        state[name] = state[target]
-    return state

@@ -19,7 +19,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..metrics.memory import Sharding, StateBytes
 from .layout import Layout
-from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
+from .base import Engine, split_batch
+from .context import DistContext
+from .optim import build_optimizer, lr_factor
+from .weights import load_tensors
 
 
 @dataclass
@@ -78,6 +81,7 @@ class DDPEngine(Engine):
             self.module = DistributedDataParallel(
                 self.model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                process_group=self.dp_group,
                 bucket_cap_mb=options.bucket_cap_mb,
                 gradient_as_bucket_view=options.gradient_as_bucket_view,
                 find_unused_parameters=options.find_unused_parameters,

@@ -29,8 +29,12 @@ from torch import nn
 
 from ..metrics.memory import Sharding, StateBytes
 from .layout import Layout
-from .base import (DTYPES, DistContext, Engine, build_optimizer, check_host_memory, load_tensors, local_tensor,
-                   lr_factor, split_batch)
+from .base import Engine, split_batch
+from .context import DTYPES, DistContext
+from .dtensor import local_tensor
+from .offload import check_host_memory
+from .optim import build_optimizer, lr_factor
+from .weights import load_tensors
 
 
 @dataclass
@@ -110,7 +114,6 @@ class FSDPEngine(Engine):
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
         # imported before the base class takes its memory baseline (imports are not model state)
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         super().__init__(model, task, train, options, ctx, total_steps)
@@ -118,7 +121,7 @@ class FSDPEngine(Engine):
         self.model = model.to(self.device)
         self.sharded = ctx.distributed
         if self.sharded:
-            mesh = init_device_mesh(self.device.type, (ctx.world_size,))
+            mesh = self.placement.mesh_of("dp")  # every worker
             mp = (MixedPrecisionPolicy(param_dtype=DTYPES[train.precision], reduce_dtype=torch.float32)
                   if train.precision != "fp32" else MixedPrecisionPolicy())
             kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if options.offload else OffloadPolicy())

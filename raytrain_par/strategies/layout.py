@@ -1,10 +1,13 @@
 """The parallel layout: how num_workers ranks divide into pipeline (P), tensor (T) and data (D)
 parallel ranks, computed once, and read by every engine, the data loader, `estimate` and the records.
 
-`Layout` is the degrees alone (no processes needed): each strategy's options say theirs
-(`Options.layout(num_workers)`; `ExperimentSpec.layout` asks it), and config.py, `estimate` and the
-per-worker batch read it. `Placement` is one rank's place in it, with the process groups: built
-once per worker (`place`), as torchtitan builds its device mesh from (pp, dp, tp) degrees.
+`Layout` is the degrees alone (no processes needed), as torchtitan's `ParallelDims`: P, T, D, how the
+D replicas hold model states (`sharding`), and the pipeline's schedule, microbatches and stages per
+worker. A strategy name is a preset of it: each engine says the layout its name and options stand
+for (`Engine.layout_for`, which `strategies.layout_of` and `ExperimentSpec.layout` ask), and
+config.py, `estimate` and the per-worker batch read it. `Placement` is one rank's place in it, with
+the device mesh and every process group the engines use: built once per worker (`place`), first
+thing in `Engine.__init__`; no engine creates a group of its own.
 
 Rank order: rank = (p * D + d) * T + t for pipeline rank p, data-parallel rank d and tensor rank t.
 The T ranks of a tensor-parallel group are neighbours (one node: they all-reduce activations in every
@@ -13,7 +16,8 @@ farthest apart (point to point, once per microbatch). With T = 1 that is the pip
 p * D + d, with P = 1 megatron's d * T + t.
 
 `sharding` is how the data-parallel dimension holds model states: `none` (replicated, gradients
-all-reduced), `fsdp` (FSDP2 over the replicas), or a ZeRO stage (DeepSpeed, data parallel only).
+all-reduced), `fsdp` (FSDP2 over the replicas), or `zero-1` / `zero-2` / `zero-3` (DeepSpeed, which
+runs its own data parallel over every worker, so data parallel only: see `SUPPORTED`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch.distributed as dist
+
+SHARDINGS = ("none", "fsdp", "zero-1", "zero-2", "zero-3")
+DIMENSIONS = ("pp", "dp", "tp")
 
 
 class Coordinates(NamedTuple):
@@ -35,16 +42,26 @@ class Layout:
     pipeline: int = 1  # P: pipeline ranks (each holds a run of layers)
     tensor: int = 1  # T: ranks each layer is split over
     data: int = 1  # D: replicas (or shards) of the model that read different rows
-    sharding: str = "none"  # how the D replicas hold model states: none, fsdp, zero-1, zero-2, zero-3
+    sharding: str = "none"  # how the D replicas hold model states: one of SHARDINGS
+    # The pipeline's schedule (torch's gpipe, 1f1b, ... or `pipedream`), microbatches per step and
+    # stages each pipeline rank holds; None / 1 without a pipeline.
+    schedule: str | None = None
+    microbatches: int = 1
+    virtual_stages: int = 1
 
     @classmethod
-    def of(cls, workers: int, pipeline: int = 1, tensor: int = 1, sharding: str = "none") -> "Layout":
+    def of(cls, workers: int, pipeline: int = 1, tensor: int = 1, sharding: str = "none", **schedule) -> "Layout":
         """D = workers / (P x T) (at least 1; config.py rejects degrees that do not divide the workers)."""
-        return cls(pipeline, tensor, max(1, workers // (pipeline * tensor)), sharding)
+        return cls(pipeline, tensor, max(1, workers // (pipeline * tensor)), sharding, **schedule)
 
     @property
     def world(self) -> int:
         return self.pipeline * self.tensor * self.data
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        """(P, D, T): the shape of the device mesh."""
+        return self.pipeline, self.data, self.tensor
 
     def coordinates(self, rank: int) -> Coordinates:
         rest, t = divmod(rank, self.tensor)
@@ -67,16 +84,24 @@ class Layout:
     def describe(self) -> str:
         parts = [f"{n} {v}" for n, v in (("pipeline", self.pipeline), ("tensor", self.tensor)) if v > 1]
         data = f"data {self.data}" + (f" ({self.sharding})" if self.sharding != "none" else "")
-        return " x ".join(parts + [data])
+        text = " x ".join(parts + [data])
+        if self.schedule:
+            stages = f", {self.virtual_stages} stages per worker" if self.virtual_stages > 1 else ""
+            text += f"; {self.schedule}, {self.microbatches} microbatch{'es' if self.microbatches > 1 else ''}{stages}"
+        return text
 
 
 @dataclass(eq=False)
 class Placement:
-    """One rank's place in a layout: its coordinates and the groups of its pipeline (`pp_group`: the
-    ranks of other stages with its data and tensor ranks), its stage's replicas (`dp_group`) and its
-    tensor-parallel group (`tp_group`). A group is None where it is the default group (data parallel
-    over every worker) or where this process runs alone; `mesh` is torch's DeviceMesh (pp, dp, tp),
-    for what takes one (FSDP2), or None then."""
+    """One rank's place in a layout: its coordinates, the device mesh and the groups of its pipeline
+    (`pp_group`: the ranks of other stages with its data and tensor ranks), its stage's replicas
+    (`dp_group`) and its tensor-parallel group (`tp_group`).
+
+    With more than one worker the mesh always exists: (pp, dp, tp) where P or T > 1, else one
+    dimension (dp) over every worker, whose group is the default one. A group is None where its
+    dimension has one rank in a data-parallel-only layout, and everything is None on one worker. Further groups (the ranks holding a weight tied across stages, a
+    communicator of its own for a pipeline's loss) come from `group_along`, so that every rank creates
+    them in the same order."""
 
     layout: Layout
     rank: int
@@ -84,6 +109,9 @@ class Placement:
     pp_group: object = None
     dp_group: object = None
     tp_group: object = None
+
+    def __post_init__(self):
+        self._extra: dict[tuple, object] = {}
 
     @property
     def coordinates(self) -> Coordinates:
@@ -105,26 +133,77 @@ class Placement:
     def dp_size(self) -> int:
         return self.layout.data
 
+    def mesh_of(self, dim: str):
+        """The one-dimensional mesh along `dim` through this rank (what FSDP2 shards over), or None
+        where this process runs alone."""
+        if self.mesh is None:
+            return None
+        return self.mesh if self.mesh.mesh_dim_names == (dim,) else self.mesh[dim]
+
+    def group_along(self, dim: str, members: list[int] | None = None, tag: str = ""):
+        """A process group of its own along `dim` ("pp", "dp" or "tp"): the ranks that share this rank's
+        other coordinates and whose coordinate along `dim` is in `members` (default: all of them). A
+        collective: every rank calls it with the same arguments, and each gets its own group, or None
+        where its coordinate is not in `members`. Made once per (dim, members, tag); `tag` tells
+        groups of the same ranks apart (NCCL orders the operations of one communicator)."""
+        size = dict(zip(DIMENSIONS, self.layout.degrees))[dim]
+        members = tuple(range(size) if members is None else members)
+        key = (dim, members, tag)
+        if key not in self._extra:
+            layout, mine = self.layout, None
+            axis = DIMENSIONS.index(dim)
+            others = [(a, b) for a in range(layout.degrees[(axis + 1) % 3]) for b in range(layout.degrees[(axis + 2) % 3])]
+            for a, b in sorted(others, key=lambda ab: _order(axis, ab)):
+                ranks = [layout.rank_of(*_coords(axis, m, a, b)) for m in members]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine = group
+            self._extra[key] = mine
+        return self._extra[key]
+
+
+def _coords(axis: int, along: int, a: int, b: int) -> tuple[int, int, int]:
+    """(p, d, t) with `along` on `axis` and (a, b) on the next two axes, cyclically."""
+    out = [0, 0, 0]
+    out[axis], out[(axis + 1) % 3], out[(axis + 2) % 3] = along, a, b
+    return tuple(out)
+
+
+def _order(axis: int, ab: tuple[int, int]) -> tuple[int, int]:
+    """Groups are made in (p, d, t) order of the other two coordinates."""
+    c = _coords(axis, 0, *ab)
+    return tuple(v for i, v in enumerate(c) if i != axis)
+
 
 _PLACED: dict[tuple, Placement] = {}
 
 
 def place(layout: Layout, rank: int, world_size: int, device_type: str) -> Placement:
-    """This rank's placement, with its process groups (collective: every rank calls it with the same
-    layout). Built once per layout and process group: engines built again in one process (tests,
-    benchmarks, a resumed loop) reuse the groups rather than create more."""
+    """This rank's placement, with its device mesh and process groups (collective: every rank calls it
+    with the same layout). Built once per layout and process group: engines built again in one
+    process (tests, benchmarks, a resumed loop) reuse the groups rather than create more."""
     if layout.world != world_size:
         raise ValueError(f"a layout of {layout.describe()} needs {layout.world} workers, not {world_size}")
-    if world_size == 1 or (layout.pipeline == 1 and layout.tensor == 1):
-        return Placement(layout, rank)  # the default group (or none) is the data-parallel group
-    key = (layout, rank, device_type, id(dist.group.WORLD))
+    if world_size == 1:
+        return Placement(layout, rank)
+    key = (layout.degrees, rank, device_type, id(dist.group.WORLD))
     if key not in _PLACED:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (layout.pipeline, layout.data, layout.tensor),
-                                mesh_dim_names=("pp", "dp", "tp"))
-        _PLACED[key] = Placement(layout, rank, mesh, *(mesh.get_group(n) for n in ("pp", "dp", "tp")))
-    return _PLACED[key]
+        if layout.pipeline == 1 and layout.tensor == 1:
+            # Data parallel only: a one-dimensional mesh over every worker, whose group is the default
+            # group itself (torch reuses it), as DDP, DeepSpeed and FSDP2 use it by default.
+            mesh = init_device_mesh(device_type, (layout.data,), mesh_dim_names=("dp",))
+            placement = Placement(layout, rank, mesh, dp_group=mesh.get_group("dp"))
+        else:
+            mesh = init_device_mesh(device_type, layout.degrees, mesh_dim_names=DIMENSIONS)
+            placement = Placement(layout, rank, mesh, *(mesh.get_group(n) for n in DIMENSIONS))
+        _PLACED[key] = placement
+    cached = _PLACED[key]
+    if cached.layout != layout:  # the same degrees and groups, another schedule or sharding
+        cached = Placement(layout, rank, cached.mesh, cached.pp_group, cached.dp_group, cached.tp_group)
+        cached._extra = _PLACED[key]._extra
+    return cached
 
 
 # Which strategy composes which dimensions; ZeRO is DeepSpeed's own data parallel and composes with none.
@@ -138,8 +217,9 @@ def check_sharding(value: str, allowed: tuple[str, ...], field_: str, error) -> 
     if value in allowed:
         return
     if value.startswith("zero"):
-        error(field_, value, "DeepSpeed's ZeRO is a strategy of its own and does not combine with tensor or "
-              f"pipeline parallel (supported layouts: {SUPPORTED})",
-              f"use {' or '.join(allowed)}, or strategy {value} for ZeRO alone")
+        error(field_, value, "DeepSpeed's ZeRO is a strategy of its own: its engine runs data parallel over every "
+              "worker and has no tensor or pipeline dimension to combine with (supported layouts: "
+              f"{SUPPORTED})", f"use {' or '.join(allowed)} (fsdp shards parameters, gradients and optimizer state "
+              f"as zero-3 does), or strategy {value} for ZeRO alone")
     error(field_, value, f"not one of {', '.join(allowed)} (supported layouts: {SUPPORTED})",
           f"use {' or '.join(allowed)}")

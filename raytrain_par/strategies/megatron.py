@@ -4,9 +4,9 @@
 family's plan (models/plans.py; GPT-2 and the Llama-style families have one): each rank holds
 n_head/T attention heads (its slices of q, k and v; with grouped-query attention also of the
 key/value heads), 1/T of the MLP units, and vocab/T rows of the token embedding and of the LM head
-(one matrix when they are tied); the loss is a vocabulary-parallel cross-entropy, so no rank holds
-the full logits. Per layer that costs two all-reduces of the activations [b, s, h] forward and two
-backward (see tensor_parallel.py for the operators).
+(one matrix when they are tied; tensor_split.py splits it); the loss is a vocabulary-parallel
+cross-entropy, so no rank holds the full logits. Per layer that costs two all-reduces of the
+activations [b, s, h] forward and two backward (see tensor_parallel.py for the operators).
 
 With num_workers = T x D, rank r sits at (dp = r // T, tp = r % T): the T ranks of a
 tensor-parallel group are adjacent (within a node first, where links are fastest) and read the
@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 from dataclasses import dataclass
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -49,23 +48,13 @@ from ..models.causal_lm import SPLIT_FAMILIES
 from . import tensor_parallel as tp_ops
 from .layout import Layout, check_sharding
 from .pipeline import Schedule
-from .base import (DistContext, Engine, build_optimizer, load_tensors, local_tensor, lr_factor, slice_like,
-                   sliced_optimizer_state, split_batch, whole_optimizer_state, whole_tensor)
+from .base import Engine, split_batch
+from .context import DistContext
+from .dtensor import local_tensor, slice_like, sliced_optimizer_state, whole_optimizer_state, whole_tensor
+from .optim import build_optimizer, lr_factor
 from .tensor_parallel import TPGroup
-
-# How each split style cuts a layer's parameters: name -> (dim, parts). transformers' Conv1D (GPT-2)
-# stores weights [in, out], nn.Linear [out, in]. A row-parallel bias is replicated: it is added once,
-# after the sum. Embeddings and LM heads are [vocab, width].
-SPLITS: dict[tuple[str, str], dict[str, tuple[int, int]]] = {
-    ("colwise", "Conv1D"): {"weight": (1, 1), "bias": (0, 1)},
-    ("colwise_qkv", "Conv1D"): {"weight": (1, 3), "bias": (0, 3)},
-    ("rowwise", "Conv1D"): {"weight": (0, 1)},
-    ("colwise", "Linear"): {"weight": (0, 1), "bias": (0, 1)},
-    ("rowwise", "Linear"): {"weight": (1, 1)},
-    ("vocab", "Embedding"): {"weight": (0, 1)},
-    ("vocab", "Linear"): {"weight": (0, 1)},
-}
-TP_RNG_OFFSET = 2718  # Megatron-LM's: the attention-dropout seed of tensor-parallel rank r is seed + 2718 + r
+from .tensor_split import TP_RNG_OFFSET, ShapesOnly, gather_shards, join_shards, split_lm
+from .weights import load_tensors
 
 
 @dataclass
@@ -144,7 +133,14 @@ class Options:
                   "set stages: 2 or more, or remove them")
 
     def layout(self, num_workers: int) -> Layout:
-        return Layout.of(num_workers, self.stages, self.tensor_parallel, self.data_parallel_sharding)
+        schedule = self.pipeline_options().schedule_layout() if self.stages > 1 else {}
+        return Layout.of(num_workers, self.stages, self.tensor_parallel, self.data_parallel_sharding, **schedule)
+
+    @property
+    def engine(self) -> str | None:
+        """The engine of these options (strategies.engine_class): with stages, tensor x pipeline x data
+        on the pipeline engine's schedules (megatron_pipeline.py); without, MegatronEngine (None)."""
+        return "raytrain_par.strategies.megatron_pipeline:MegatronPipelineEngine" if self.stages > 1 else None
 
 
 def _model_type(m) -> str:
@@ -154,150 +150,6 @@ def _model_type(m) -> str:
 
 def _next_multiple(n: int, k: int) -> int:
     return max(k, -(-n // k) * k)
-
-
-class TensorParallelLM(nn.Module):
-    """The backbone of a transformers causal LM with its layers split, and this rank's rows of the
-    LM head; forward returns the mean LM loss. Submodules keep the plain model's names
-    (`transformer.*` / `model.*`, `lm_head.*` when untied), so shards' state dicts do too.
-
-    The LM head gives logits of this rank's vocabulary slice only, padded rows masked out."""
-
-    def __init__(self, lm: nn.Module, head: tp_ops.VocabParallelEmbedding, tied: bool, tp: TPGroup, vocab_size: int):
-        super().__init__()
-        self.prefix = lm.base_model_prefix
-        self._no_split_modules = lm._no_split_modules  # the blocks FSDP shards one by one
-        self.add_module(self.prefix, lm.base_model)
-        if not tied:
-            self.lm_head = head
-        object.__setattr__(self, "head", head)  # registered once, in the backbone or as lm_head
-        self.tp, self.vocab_size = tp, vocab_size
-        self.vocab_start = head.start
-        self.register_buffer("padding", padding_of(head, vocab_size), persistent=False)
-
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's logits [tokens, vocab/T]."""
-        hidden = getattr(self, self.prefix)(input_ids=input_ids, use_cache=False).last_hidden_state
-        return local_logits(hidden, self.head.weight, self.padding, self.tp)
-
-    def token_losses(self, input_ids, labels) -> torch.Tensor:
-        return tp_ops.vocab_parallel_cross_entropy(self.logits(input_ids), labels.flatten(), self.vocab_start, self.tp)
-
-    def forward(self, input_ids, labels, sums: bool = False):
-        """The mean loss; with `sums`, evaluation's sums (through forward, so that FSDP gathers the
-        parameters it holds at the root)."""
-        return self.eval_sums(input_ids, labels) if sums else self.token_losses(input_ids, labels).mean()
-
-    @torch.no_grad()
-    def eval_sums(self, input_ids, labels) -> torch.Tensor:
-        return vocab_parallel_sums(self.logits(input_ids), labels, self.vocab_start, self.tp)
-
-
-def padding_of(head: tp_ops.VocabParallelEmbedding, vocab_size: int) -> torch.Tensor | None:
-    """Which of this rank's vocabulary rows are padding (Megatron pads the vocabulary to a multiple of
-    T), or None where none are."""
-    ids = torch.arange(head.start, head.start + head.weight.shape[0], device=head.weight.device)
-    return ids >= vocab_size if head.start + head.weight.shape[0] > vocab_size else None
-
-
-def local_logits(hidden: torch.Tensor, weight: torch.Tensor, padding: torch.Tensor | None, tp: TPGroup) -> torch.Tensor:
-    """This rank's logits [tokens, vocab/T] of hidden states [..., h], padding rows masked out; in fp32
-    also under 16-bit autocast (the softmax)."""
-    logits = torch.mm(tp_ops.copy_to(hidden.flatten(0, -2), tp), weight.t()).float()
-    return logits.masked_fill(padding, float("-inf")) if padding is not None else logits
-
-
-@torch.no_grad()
-def vocab_parallel_sums(logits: torch.Tensor, labels: torch.Tensor, start: int, tp: TPGroup) -> torch.Tensor:
-    """[summed loss, tokens, correct next-token predictions] of split logits [tokens, vocab/T], as
-    Task.eval_sums."""
-    labels = labels.flatten()
-    loss = tp_ops.vocab_parallel_cross_entropy(logits, labels, start, tp)
-    correct = tp_ops.vocab_parallel_argmax(logits, start, tp) == labels
-    return torch.stack([loss.sum(), torch.tensor(float(labels.numel()), device=loss.device), correct.sum().float()])
-
-
-@dataclass
-class Split:
-    """What splitting a model left behind: every split parameter's (dim, parts) by plain name, the
-    parameters cut by vocabulary row (padded to a multiple of T), and the tied LM head's name."""
-
-    model: TensorParallelLM
-    cuts: dict[str, tuple[int, int]]
-    vocab: set[str]
-    tied_head: str | None
-
-
-def split_lm(lm: nn.Module, tp: TPGroup, rng: tp_ops.ParallelRNG) -> Split:
-    """Split a plain transformers causal LM in place for tensor-parallel rank tp.rank of tp.size, by
-    its family's plan."""
-    plan = models.tensor_parallel_plan_of(lm)
-    vocab_size, t = lm.config.vocab_size, tp.size
-    input_embeddings, output_embeddings = lm.get_input_embeddings(), lm.get_output_embeddings()
-    tied = output_embeddings.weight is input_embeddings.weight
-    module_names = {id(m): n for n, m in lm.named_modules()}
-    cuts: dict[str, tuple[int, int]] = {}
-    vocab: set[str] = set()
-    replaced: dict[int, nn.Module] = {}
-    for name, module in list(lm.named_modules()):
-        style = next((s for pattern, s in plan.layers.items() if re.fullmatch(pattern, name)), None)
-        if style is None or (tied and module is output_embeddings):  # a tied head is the embedding
-            continue
-        layout = SPLITS[(style, type(module).__name__)]
-        params = {k: cut for k, cut in layout.items() if getattr(module, k, None) is not None}
-        cuts.update({f"{name}.{k}": cut for k, cut in params.items()})
-        if style == "vocab":
-            # Megatron pads the vocabulary to a multiple of T (the tokenizer's size is known only once
-            # the data is prepared); the padding rows are zeros whose logits are masked out.
-            rows = -(-vocab_size // t)
-            w = module.weight.data
-            full = torch.cat([w, w.new_zeros(rows * t - w.shape[0], w.shape[1])])
-            new = tp_ops.VocabParallelEmbedding(full[tp.rank * rows:(tp.rank + 1) * rows].clone(), tp.rank * rows, tp)
-            vocab.add(f"{name}.weight")
-        else:
-            local = {k: tp_ops.shard(getattr(module, k).data, *cut, tp.rank, t) for k, cut in params.items()}
-            bias = local.get("bias", module.bias.data if module.bias is not None else None)
-            new = tp_ops.PARALLEL_LAYERS[(style.removesuffix("_qkv"), type(module).__name__)](local["weight"], bias, tp)
-        parent, _, attr = name.rpartition(".")
-        setattr(lm.get_submodule(parent) if parent else lm, attr, new)
-        replaced[id(module)] = new
-    if plan.localize:
-        plan.localize(lm, t)
-    for module in lm.modules():  # attention draws its dropout from the tensor-parallel stream
-        if type(module).__name__.endswith("Attention"):
-            module.tp_rng = rng
-    _run_attention_in_split_region(lm)
-    head = replaced[id(input_embeddings if tied else output_embeddings)]
-    tied_head = f"{module_names[id(output_embeddings)]}.weight" if tied else None
-    return Split(TensorParallelLM(lm, head, tied, tp, vocab_size), cuts, vocab, tied_head)
-
-
-def _run_attention_in_split_region(lm: nn.Module) -> None:
-    """Wrap the model's attention implementation (sdpa, eager, flash...) so that attention dropout draws
-    from the module's tensor-parallel stream, through transformers' AttentionInterface; its masks are
-    made as for the wrapped implementation."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    inner_name = lm.config._attn_implementation
-    if inner_name.startswith("tensor_parallel_"):
-        return
-    if inner_name == "eager":  # each model file has its own eager attention
-        inner = sys.modules[type(lm).__module__].eager_attention_forward
-    else:
-        inner = ALL_ATTENTION_FUNCTIONS[inner_name]
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        if module.training and kwargs.get("dropout", 0.0) > 0:
-            with module.tp_rng.fork():
-                return inner(module, query, key, value, attention_mask, **kwargs)
-        return inner(module, query, key, value, attention_mask, **kwargs)
-
-    name = f"tensor_parallel_{inner_name}"
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner_name])
-    lm.set_attn_implementation(name)
-
 
 def _count_ddp_allreduce(engine: "MegatronEngine", bucket):
     """DDP comm hook: PyTorch's default all-reduce, counting the bytes it sends; where the gradient
@@ -312,75 +164,20 @@ def _count_ddp_allreduce(engine: "MegatronEngine", bucket):
     engine.dp_bytes += bucket.buffer().numel() * bucket.buffer().element_size()
     return allreduce_hook(engine.dp_group, bucket)
 
-
-class _ShapesOnly(TPGroup):
-    """A tensor-parallel group for estimating one rank's share: shapes as with `size` ranks, no
-    communication (the sums are shape-preserving)."""
-
-    def all_reduce(self, t, op=dist.ReduceOp.SUM):
-        return t
-
-
-def join_shards(name: str, shards: list[torch.Tensor], splits: dict, vocab_names: set, vocab_size: int) -> torch.Tensor:
-    """A parameter's whole tensor from its T shards (vocabulary padding cut off)."""
-    full = tp_ops.unshard(shards, *splits[name])
-    return full[:vocab_size] if name in vocab_names else full
-
-
-def gather_shards(state: dict[str, torch.Tensor], splits: dict, vocab_names: set, vocab_size: int, tp: TPGroup,
-                  tied_head: str | None, plain_keys: list[str]) -> dict[str, torch.Tensor]:
-    """The plain model's state dict from this rank's shard of it (named as the plain model's), split
-    parameters gathered over the tensor-parallel group (a collective), in the plain model's order."""
-    out = {}
-    for name, p in state.items():
-        if name in splits and tp.size > 1:
-            shards = [torch.empty_like(p) for _ in range(tp.size)]
-            dist.all_gather(shards, p.contiguous(), group=tp.group)
-            out[name] = join_shards(name, shards, splits, vocab_names, vocab_size)
-        elif name in vocab_names:
-            out[name] = p[:vocab_size]
-        else:
-            out[name] = p
-    if tied_head:
-        out[tied_head] = out[next(iter(vocab_names))]
-    return {k: out[k] for k in plain_keys}
-
-
 class MegatronEngine(Engine):
     Options = Options
 
-    def __new__(cls, model, task, train, options: Options, *args, **kwargs):
-        """With stages, the tensor x pipeline x data engine (megatron_pipeline.py), on the pipeline
-        engine's schedules."""
-        if cls is MegatronEngine and options.stages > 1:
-            from .megatron_pipeline import MegatronPipelineEngine
-
-            return MegatronPipelineEngine(model, task, train, options, *args, **kwargs)
-        return super().__new__(cls)
-
     @classmethod
     def estimate_inputs(cls, model, task, options):
-        split = split_lm(model, _ShapesOnly(None, options.tensor_parallel, 0),
+        split = split_lm(model, ShapesOnly(None, options.tensor_parallel, 0),
                          tp_ops.ParallelRNG(0, torch.device("cpu")))
         return (lambda batch: split.model(batch["input_ids"], batch["labels"])), list(split.model.parameters())
 
     @classmethod
-    def estimate_pipeline(cls, options):
-        if options.stages == 1:
-            return None
-        from .megatron_pipeline import MegatronPipelineEngine
-
-        return MegatronPipelineEngine.estimate_pipeline(options)
-
-    @classmethod
     def model_state_bytes(cls, options, train, dp, num_params):
         """`num_params`: one rank's tensor-parallel shard; replicated over the D replicas, or sharded
-        over them by FSDP (data_parallel_sharding). None with stages: `estimate` asks the pipeline
-        (estimate_pipeline), stage by stage."""
+        over them by FSDP (data_parallel_sharding)."""
         from ..metrics.memory import Sharding, StateBytes, model_state_theory, optimizer_state_bytes
-
-        if options.stages > 1:
-            return None
 
         every = options.data_parallel_sharding == "fsdp"
         sharding = Sharding(params=every, grads=every, optim=every)
@@ -404,7 +201,7 @@ class MegatronEngine(Engine):
 
             from .fsdp import shard_units
 
-            mesh = place.mesh["dp"] if place.mesh is not None else None  # None: over every worker
+            mesh = place.mesh_of("dp")
             for unit in shard_units(self.model):
                 fully_shard(unit, mesh=mesh)
             fully_shard(self.model, mesh=mesh)

@@ -40,10 +40,13 @@ from torch import nn
 
 from .. import models
 from . import tensor_parallel as tp_ops
-from .base import load_tensors, local_tensor, sliced_optimizer_state, whole_optimizer_state
-from .megatron import TP_RNG_OFFSET, gather_shards, local_logits, padding_of, split_lm, vocab_parallel_sums
+from .dtensor import local_tensor, sliced_optimizer_state, whole_optimizer_state
+from .weights import load_tensors
+from .megatron import Options
 from .pipeline import PipelineEngine, check_split
 from .tensor_parallel import TPGroup
+from .tensor_split import (TP_RNG_OFFSET, ShapesOnly, gather_shards, local_logits, padding_of, split_lm,
+                           vocab_parallel_sums)
 
 
 class VocabParallelHead(nn.Module):
@@ -73,7 +76,9 @@ class _SplitVocabularyTask:
 
 
 class MegatronPipelineEngine(PipelineEngine):
-    """Built by MegatronEngine for `stages > 1` (its Options)."""
+    """Strategy megatron with `stages > 1` (megatron's Options choose it: `Options.engine`)."""
+
+    Options = Options
 
     def __init__(self, model: nn.Module, task, train, options, ctx, total_steps: int):
         self.vocab_size = model.config.vocab_size
@@ -90,9 +95,7 @@ class MegatronPipelineEngine(PipelineEngine):
     def estimate_stage_inputs(cls, model, task, options):
         """The layers as one tensor-parallel rank holds them (shapes only, no process group) and the
         vocabulary-parallel loss of its logits."""
-        from .megatron import _ShapesOnly
-
-        tp = _ShapesOnly(None, options.tensor_parallel, 0)
+        tp = ShapesOnly(None, options.tensor_parallel, 0)
         split = split_lm(model, tp, tp_ops.ParallelRNG(0, torch.device("cpu")))
         model.lm_head = VocabParallelHead(split.model.head, model.config.vocab_size)
         start = split.model.vocab_start

@@ -67,7 +67,10 @@ from torch import nn
 from torch.func import functional_call
 
 from ..metrics.memory import SavedActivations, Sharding, StateBytes, model_state_theory, optimizer_state_bytes
-from .base import DistContext, Engine, build_optimizer, load_tensors, lr_factor, split_batch
+from .base import Engine, split_batch
+from .context import DistContext
+from .optim import build_optimizer, lr_factor
+from .weights import load_tensors
 from .layout import Layout
 from .stages import Busy, Interval, Pipeline, validate_layout
 
@@ -96,12 +99,18 @@ class Options:
         if spec.train.grad_clip:
             error("train.grad_clip", spec.train.grad_clip, "pipedream updates each stage asynchronously, so the norm of "
                   "the whole gradient is never known", "set train.grad_clip: 0 (or use strategy pipeline)")
+        if spec.train.gradient_accumulation_steps > 1:
+            error("train.gradient_accumulation_steps", spec.train.gradient_accumulation_steps,
+                  "pipedream cuts each step's rows into its own microbatches, whose gradients each stage adds up "
+                  "before its update", f"use strategy.microbatches: {spec.train.gradient_accumulation_steps} "
+                  "instead, and remove train.gradient_accumulation_steps")
         if self.weight_versions == 2 and M < P - 1:
             error("strategy.microbatches", M, f"PipeDream-2BW keeps two weight versions only with at least "
                   f"stages - 1 = {P - 1} microbatches per step", f"use {P} or more")
 
     def layout(self, num_workers: int) -> Layout:
-        return Layout.of(num_workers, pipeline=self.stages)
+        return Layout.of(num_workers, pipeline=self.stages, schedule="pipedream" if self.weight_versions is None
+                         else "pipedream-2bw", microbatches=self.num_microbatches)
 
     stages_per_worker = 1
 
@@ -148,12 +157,8 @@ class PipeDreamEngine(Engine):
 
         # Groups of their own for the loss and for evaluation: point-to-point messages of training can
         # be in flight between steps, and NCCL matches operations on one communicator in order.
-        self.loss_group = self.eval_group = None
-        for d in range(pipe.D):
-            ranks = [self.layout.rank_of(p, d, 0) for p in range(P)]
-            loss_group, eval_group = dist.new_group(ranks), dist.new_group(ranks)
-            if d == pipe.dp_rank:
-                self.loss_group, self.eval_group = loss_group, eval_group
+        self.loss_group = self.placement.group_along("pp", tag="loss") if ctx.distributed else None
+        self.eval_group = self.placement.group_along("pp", tag="eval") if ctx.distributed else None
 
         # Untied copies (on the last stage) take delayed updates of their own; see the module docstring.
         self.delayed = [self.module.get_parameter(name) for tie in pipe.ties for _, name in tie.copies]

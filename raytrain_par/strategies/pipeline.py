@@ -53,8 +53,11 @@ from torch import nn
 
 from ..metrics.memory import (SavedActivations, Sharding, StateBytes, model_state_theory,
                               optimizer_state_bytes)
-from .base import (DistContext, Engine, build_optimizer, load_tensors, local_tensor, lr_factor,
-                   sliced_optimizer_state, split_batch, whole_optimizer_state)
+from .base import Engine, split_batch
+from .context import DistContext
+from .dtensor import local_tensor, sliced_optimizer_state, whole_optimizer_state
+from .optim import build_optimizer, lr_factor
+from .weights import load_tensors
 from .layout import Layout, check_sharding
 from .stages import Busy, Interval, Pipeline, validate_layout
 
@@ -129,7 +132,13 @@ class Options:
                       f"needs a multiple of the {rounds} rounds", f"use a multiple of {P}, e.g. {rounds * P}")
 
     def layout(self, num_workers: int) -> Layout:
-        return Layout.of(num_workers, pipeline=self.stages, sharding=self.data_parallel_sharding)
+        return Layout.of(num_workers, pipeline=self.stages, sharding=self.data_parallel_sharding,
+                         **self.schedule_layout())
+
+    def schedule_layout(self) -> dict:
+        """The schedule's part of the layout: schedule, microbatches and stages per worker."""
+        return {"schedule": self.schedule, "microbatches": self.num_microbatches,
+                "virtual_stages": self.stages_per_worker}
 
     def bubble_theory(self) -> float | None:
         """The idle share of a step in theory, with forward and backward of every stage equally long:

@@ -36,7 +36,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import models
-from .base import DTYPES, local_tensor, padded, slice_like, whole_tensor
+from .base import padded
+from .context import DTYPES
+from .dtensor import local_tensor, slice_like, whole_tensor
 from .layout import Placement
 
 # -- options shared by the pipeline engines -----------------------------------------------------
@@ -218,19 +220,9 @@ class Pipeline:
         self.modules: dict[int, nn.Module] = {s: every[s].to(self.device) for s in self.local}
         del every, layers, slots, holders
 
-        # Every rank creates every group, in the same order (new_group is collective over the world):
-        # the ranks holding a tie's copies in each pipeline (one per data-parallel and tensor rank).
-        self.tie_groups = []
-        here = placement.coordinates
-        for tie in self.ties:
-            group = None
-            if len(tie.owners) > 1:
-                for d in range(self.D):
-                    for t in range(layout.tensor):
-                        g = dist.new_group([layout.rank_of(p, d, t) for p in tie.owners])
-                        if (d, t) == (here.data, here.tensor) and self.pp_rank in tie.owners:
-                            group = g
-            self.tie_groups.append(group)
+        # The ranks holding a tie's copies in each pipeline (one group per data-parallel and tensor rank).
+        self.tie_groups = [placement.group_along("pp", tie.owners, tag=f"tie {tie.name}") if len(tie.owners) > 1
+                           else None for tie in self.ties]
         self.sharded = False
 
     def shard(self) -> None:
@@ -239,7 +231,7 @@ class Pipeline:
         after a step's last backward pass."""
         from torch.distributed.fsdp import fully_shard
 
-        mesh = self.placement.mesh["dp"]
+        mesh = self.placement.mesh_of("dp")
         for module in self.modules.values():
             for layer in module:
                 fully_shard(layer, mesh=mesh)

@@ -43,8 +43,11 @@ from torch import nn
 
 from ..metrics.memory import Sharding, StateBytes, model_state_census, optimizer_state_bytes, optimizer_tensors
 from .layout import Layout
-from .base import (DTYPES, DistContext, Engine, build_optimizer, check_host_memory, load_tensors, lr_factor,
-                   split_batch)
+from .base import Engine, split_batch
+from .context import DTYPES, DistContext
+from .offload import check_host_memory
+from .optim import build_optimizer, lr_factor
+from .weights import load_tensors
 
 
 @dataclass
@@ -83,10 +86,6 @@ class Options:
     def _check_host_memory(self, spec, error) -> None:
         field_ = "strategy.offload_param" if self.offload_param else "strategy.offload_optimizer"
         check_host_memory(spec, ZeroEngine.for_stage(STAGES[spec.strategy.name]), self, field_, error)
-
-    @staticmethod
-    def layout(num_workers: int) -> Layout:
-        return Layout.of(num_workers, sharding="zero")
 
 
 STAGES = {"zero-1": 1, "zero-2": 2, "zero-3": 3}
@@ -274,6 +273,12 @@ class ZeroEngine(Engine):
     @staticmethod
     def for_stage(stage: int) -> type["ZeroEngine"]:
         return {1: Zero1Engine, 2: Zero2Engine, 3: Zero3Engine}[stage]
+
+    @classmethod
+    def layout_for(cls, options, workers):
+        """Data parallel over every worker, the stage's partitions over all of them (DeepSpeed's own
+        data-parallel group)."""
+        return Layout.of(workers, sharding=f"zero-{cls.stage}")
 
     @classmethod
     def model_state_bytes(cls, options, train, dp, num_params):

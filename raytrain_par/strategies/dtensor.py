@@ -1,0 +1,41 @@
+"""Tensors sharded by FSDP2 (DTensors) and plain ones alike: this rank's slice, the whole tensor, and
+optimizer states gathered whole or cut into this rank's slices (for checkpoints that do not depend
+on the sharding)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state dict with sharded states gathered whole (a collective over their mesh)."""
+    state = optimizer.state_dict()
+    state["state"] = {i: {k: whole_tensor(v) for k, v in s.items()} for i, s in state["state"].items()}
+    return state
+
+
+def sliced_optimizer_state(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A whole optimizer state dict cut into this rank's slices of the optimizer's sharded parameters."""
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    state["state"] = {i: {k: slice_like(v, order[int(i)]) for k, v in s.items()} for i, s in state["state"].items()}
+    return state
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (an FSDP-sharded DTensor's local slice; a plain tensor itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def whole_tensor(t):
+    """An FSDP-sharded DTensor gathered whole (a collective over its mesh); anything else as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def slice_like(value, param):
+    """A whole tensor cut into this rank's slice of `param`'s FSDP layout (no communication)."""
+    if param is None or not hasattr(param, "device_mesh") or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+

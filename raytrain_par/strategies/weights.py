@@ -1,0 +1,51 @@
+"""Reading and writing tensors without unpickling objects: torch files loaded weights-only, and the
+plain model's weights in safetensors.
+
+Every checkpoint carries the plain model's weights in one safetensors file, whatever the strategy
+(written from `Engine.full_state_dict()` by rank 0), so that a sharded checkpoint can be exported
+without the process group that wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def load_tensors(path: Path, device: torch.device):
+    """torch.load that never unpickles arbitrary objects."""
+    return torch.load(path, map_location=device, weights_only=True)
+
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def write_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """A state dict -> safetensors. Entries sharing a storage (tied weights) are written once and
+    listed in the file's metadata, since safetensors refuses shared tensors."""
+    from safetensors.torch import save_file
+
+    kept, aliases, owner = {}, {}, {}
+    for name, t in state.items():
+        t = t.detach().cpu()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key in owner:
+            aliases[name] = owner[key]
+        else:
+            owner[key] = name
+            kept[name] = t.contiguous()
+    save_file(kept, str(path), metadata={"aliases": json.dumps(aliases)})
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    with safe_open(str(path), "pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    for name, target in aliases.items():
+        state[name] = state[target]
+    return state
