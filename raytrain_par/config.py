@@ -504,7 +504,7 @@ def validate(spec: ExperimentSpec) -> None:
 
 def _validate_layout(spec: ExperimentSpec) -> None:
     """What depends on the number of workers: the strategy's layout and the global batch's split."""
-    t, s = spec.train, spec.scaling
+    t = spec.train
     spec.strategy.options.validate(spec, lambda *a: _check(False, *a))
     dp = spec.data_parallel_size
     per_step = dp * t.gradient_accumulation_steps
@@ -514,10 +514,6 @@ def _validate_layout(spec: ExperimentSpec) -> None:
                           f"does not split evenly over {dp} data-parallel workers x {t.gradient_accumulation_steps} "
                           "accumulation steps",
                           f"use a multiple of {per_step}, e.g. {lo} or {lo + per_step}")
-    if spec.data.effective_loader == "stream":
-        _check(dp == s.num_workers, "data.loader", "stream",
-               f"streaming splits data over all {s.num_workers} workers, but {spec.strategy.name} reads "
-               f"{dp} distinct batches", "use data.loader: memory")
 
 
 def _validate_elastic(spec: ExperimentSpec) -> None:
@@ -534,9 +530,6 @@ def _validate_elastic(spec: ExperimentSpec) -> None:
     _check(t.checkpoint_every_evals >= 1, "train.checkpoint_every_evals", t.checkpoint_every_evals,
            "an elastic run resizes by restarting from its latest checkpoint, and this run writes none",
            "use 1 (a checkpoint at every evaluation)")
-    _check(spec.data.effective_loader == "memory", "data.loader", spec.data.effective_loader,
-           "the stream loader gives each worker its own part of the training rows, so a resize would not "
-           "continue the same batches", "use data.loader: memory (the same global batches for any worker count)")
     problems: dict[int, ConfigError] = {}
     for n in s.worker_counts:
         try:

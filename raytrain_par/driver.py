@@ -333,13 +333,7 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
     if any(get(written, key) != get(now, key) for key in OPTIMIZER_KEYS):
         notes.append("the checkpoints' optimizer state holds the learning rate and optimizer settings it was "
                      "written with: a new value would not take effect")
-    workers = get(written, "scaling.num_workers")
-    if any_workers and workers != spec.scaling.num_workers and spec.data.effective_loader == "stream":
-        diffs.append(f"scaling.num_workers: checkpoint {workers!r}, experiment {spec.scaling.num_workers!r}: the "
-                     "stream loader gives each worker its own part of the training rows, so another number of "
-                     "workers would not continue the same batches")
-        notes.append("data.loader: memory draws the same global batches for any number of workers")
-    elif any_workers and not recut and any(d.startswith("strategy.") for d in diffs):
+    if any_workers and not recut and any(d.startswith("strategy.") for d in diffs):
         notes.append(f"{name} checkpoints resume on another scaling.num_workers with the same strategy options")
     changed = [f"{key} {get(written, key)!r} -> {get(now, key)!r}" for key in SCHEDULE_KEYS
                if get(written, key) != get(now, key)]
@@ -357,8 +351,7 @@ def check_prepared(spec: ExperimentSpec, info: DatasetInfo) -> None:
     """Checks that need the prepared data: an epoch holds at least one global batch."""
     if steps_per_epoch(spec, info) < 1:
         raise ConfigError("train.global_batch_size", spec.train.global_batch_size,
-                          f"larger than the {info.num_train} training rows of {info.name} "
-                          f"({'per worker' if spec.data.effective_loader == 'stream' else 'in all'})",
+                          f"larger than the {info.num_train} training rows of {info.name}",
                           "use a smaller global batch")
 
 
@@ -368,8 +361,9 @@ def ray_datasets(spec: ExperimentSpec, info: DatasetInfo) -> tuple[dict, DataCon
     Splits every worker reads whole (both with the memory loader, `val` with the stream loader)
     are read here with pyarrow and handed to Ray Data as Arrow tables: for data that fits in
     memory that takes a fraction of a second, where `read_parquet` starts read tasks that take
-    seconds to tens of seconds on a small cluster. The stream loader's `train` split is read by
-    Ray Data's own tasks and split across the workers."""
+    seconds to tens of seconds on a small cluster. The stream loader's `train` split is not a
+    dataset: each worker reads its shards from `info.train_path` in one global order
+    (data/loader.py says why Ray Data's streaming split cannot give one)."""
     import pyarrow.parquet as pq
     import ray.data
 
@@ -377,10 +371,12 @@ def ray_datasets(spec: ExperimentSpec, info: DatasetInfo) -> tuple[dict, DataCon
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     quiet_ray_logs()
-    split = ["train"] if spec.data.effective_loader == "stream" else []
+    splits = [("val", info.val_path)]
+    if spec.data.effective_loader == "memory":
+        splits.insert(0, ("train", info.train_path))
     datasets = {}
-    for name, path in (("train", info.train_path), ("val", info.val_path)):
-        if name in split or info.encoded_images:
+    for name, path in splits:
+        if info.encoded_images:
             ds = ray.data.read_parquet(path)
             if name == "val" and spec.data.max_val_samples:
                 ds = ds.limit(spec.data.max_val_samples)
@@ -392,7 +388,7 @@ def ray_datasets(spec: ExperimentSpec, info: DatasetInfo) -> tuple[dict, DataCon
         if info.encoded_images:
             ds = ds.map_batches(decode_image_files, fn_args=(info,), batch_format="numpy", batch_size=64)
         datasets[name] = ds
-    return datasets, DataConfig(datasets_to_split=split)
+    return datasets, DataConfig(datasets_to_split=[])
 
 
 def scaling_config(s) -> ScalingConfig:

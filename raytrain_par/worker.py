@@ -13,6 +13,7 @@ since training started, and `startup_s` the time before it (model build, data lo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -306,9 +307,7 @@ class LocalReporter(Reporter):
 
 def steps_per_epoch(spec: ExperimentSpec, info: DatasetInfo) -> int:
     """Optimizer steps in one pass over the training rows (incomplete global batches are dropped)."""
-    if spec.data.effective_loader == "memory":
-        return info.num_train // spec.train.global_batch_size
-    return (info.num_train // spec.scaling.num_workers) // spec.per_worker_batch
+    return info.num_train // spec.train.global_batch_size
 
 
 def memory_train_loader(spec: ExperimentSpec, arrays: dict[str, torch.Tensor]):
@@ -405,8 +404,6 @@ def _worker_context(config: dict) -> tuple[DatasetInfo, DistContext]:
 
 def train_loop_per_worker(config: dict) -> None:
     """What each Ray Train worker runs. `config`: {"experiment": spec dict, "data": DatasetInfo dict, "trial": str}."""
-    import ray.train
-
     from .config import from_dict
     from .data.shards import decode
 
@@ -420,16 +417,9 @@ def train_loop_per_worker(config: dict) -> None:
     if spec.data.effective_loader == "memory":
         train_loader = memory_train_loader(spec, _read_shard("train", info))
     else:
-        shard = ray.train.get_dataset_shard("train")
-        rows_per_worker = info.num_train // ctx.world_size
-
         def train_loader(engine: Engine) -> StreamLoader:
-            def batches(epoch: int):
-                for b in shard.iter_batches(batch_size=spec.per_worker_batch, batch_format="numpy", drop_last=True,
-                                            local_shuffle_buffer_size=max(4 * spec.per_worker_batch, 1024),
-                                            local_shuffle_seed=spec.train.seed * 100_003 + epoch):
-                    yield decode(info, b)
-            return StreamLoader(batches, spec.per_worker_batch, rows_per_worker)
+            return StreamLoader(info.train_path, functools.partial(decode, info), spec.train.global_batch_size,
+                                engine.dp_rank, engine.dp_size, spec.train.seed)
 
     log = print if ctx.rank == 0 else (lambda *_: None)
     trainer = Trainer(spec, info, ctx, RayReporter(log), train_loader, val, trial=config.get("trial", "run"),

@@ -3,11 +3,13 @@ return what parity tests compare: the global loss of every step and the final mo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from raytrain_par import config, models, strategies
-from raytrain_par.data.loader import MemoryLoader
-from raytrain_par.data.shards import DatasetInfo, read_split
+from raytrain_par.data.loader import MemoryLoader, StreamLoader
+from raytrain_par.data.shards import DatasetInfo, decode, read_split
 from raytrain_par.strategies import DistContext
 
 #: The Bible on short rows of a small vocabulary: cheap steps through every piece of a GPT-2 (embeddings
@@ -25,16 +27,22 @@ def experiment(model="gpt2-tiny", data="kjv", strategy="ddp", workers=1, batch=1
 
 
 def train_steps(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: int, distributed: bool = True) -> dict:
-    """Train `steps` optimizer steps; returns {'losses': [global loss per step], 'state': full state dict,
+    """Train `steps` optimizer steps (with the experiment's loader); returns {'losses': [global loss per step], 'state': full state dict,
     'memory': engine.memory()}. Not `distributed`: one process, outside the group this rank is in."""
     spec = config.from_dict(spec_dict)
     info = DatasetInfo.from_json(info_dict)
-    arrays = read_split(info, info.train_path)  # before the engine, as in the worker loop: not model state
+    streamed = spec.data.effective_loader == "stream"
+    # before the engine, as in the worker loop: not model state
+    arrays = None if streamed else read_split(info, info.train_path)
     model, task = models.build(spec.model, info, spec.train.seed)
     ctx = DistContext.current(torch.device("cpu")) if distributed else DistContext()
     engine = strategies.build_engine(spec.strategy, model, task, spec.train, ctx, total_steps=steps)
     del model  # as the worker loop does: what an engine does not keep is freed
-    loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
+    if streamed:
+        loader = StreamLoader(info.train_path, functools.partial(decode, info), spec.train.global_batch_size,
+                              engine.dp_rank, engine.dp_size, spec.train.seed)
+    else:
+        loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
     losses = []
     for i, batch in zip(range(steps), loader.epoch(0)):
         local = engine.train_step(batch)

@@ -106,7 +106,6 @@ def test_bad_config_is_refused_with_field_value_and_fix(path, value, field, word
      "only 2, 4 of these work, and Ray Train may choose any count in the range: use a fixed number of workers"),
     ({"train": {**BASE["train"], "checkpoint_every_evals": 0}}, "train.checkpoint_every_evals",
      "resizes by restarting from its latest checkpoint"),
-    ({"data": {"name": "kjv", "loader": "stream"}}, "data.loader", "would not continue the same batches"),
     ({"scaling": {"num_workers": [2, 4], "resize_interval_s": -1}}, "scaling.resize_interval_s", "must be >= 0"),
 ])
 def test_bad_elastic_range_is_refused(change, field, words):
@@ -114,6 +113,15 @@ def test_bad_elastic_range_is_refused(change, field, words):
     with pytest.raises(ConfigError) as err:
         config.parse(raw)
     assert err.value.field == field and words in str(err.value) and "fix:" in str(err.value)
+
+
+def test_elastic_range_streams_the_same_batches_at_any_size():
+    """The stream loader's rows depend on the seed, the step and the global batch, not on the worker
+    count: an elastic run may stream."""
+    for strategy in ("ddp", "zero-3"):
+        spec = config.parse({**BASE, "data": {"name": "kjv", "loader": "stream"}, "strategy": {"name": strategy},
+                             "scaling": {"num_workers": [1, 4]}, "train": {**BASE["train"], "global_batch_size": 48}})
+        assert spec.data.effective_loader == "stream" and list(spec.scaling.worker_counts) == [1, 2, 3, 4]
 
 
 def test_elastic_range_round_trips_and_reaches_ray():

@@ -6,7 +6,7 @@ import torch
 
 from raytrain_par import data
 from raytrain_par.config import DataSpec
-from raytrain_par.data.loader import MemoryLoader, eval_batches
+from raytrain_par.data.loader import MemoryLoader, StreamLoader, eval_batches
 from raytrain_par.data.shards import read_split
 from raytrain_par.errors import DataUnavailable
 
@@ -42,6 +42,43 @@ def test_memory_loader_slices_cover_each_global_batch_once():
     assert all(torch.equal(a["x"], b["x"]) for a, b in zip(resumed, one[5:]))
     seen = torch.cat([b["x"] for r in range(3) for b in eval_batches(arrays, 7, r, 3)])
     assert sorted(seen.tolist()) == list(range(100))
+
+
+def test_stream_loader_reads_one_global_order_for_every_layout(tmp_path, monkeypatch):
+    """Shards read a window at a time: every data-parallel size trains the same global batches (rank r
+    its r-th slice, decoding only that), each row at most once an epoch, a resumed epoch continues at
+    the exact row without reading the windows before it, and the next epoch has another order."""
+    from raytrain_par.data import shards
+
+    monkeypatch.setattr(shards, "ROWS_PER_SHARD", 10)
+    shards.write_split(tmp_path, {"x": np.arange(95, dtype=np.int64)})  # 10 shards, the last of 5 rows
+    decoded, read = [], []
+
+    def decode(batch):
+        decoded.append(len(batch["x"]))
+        return {"x": torch.as_tensor(np.array(batch["x"]))}
+
+    def loader(rank, size, **kw):
+        return StreamLoader(str(tmp_path), decode, 8, rank, size, seed=3, window_rows=25, **kw)
+
+    one = list(loader(0, 1).epoch(1))
+    assert len(one) == 11 == loader(0, 1).steps_per_epoch  # 95 // 8, the incomplete batch dropped
+    rows = torch.cat([b["x"] for b in one]).tolist()
+    assert len(set(rows)) == len(rows) == 88
+    assert rows[:10] != sorted(rows[:10])  # shuffled within windows
+    for size in (2, 4):
+        decoded.clear()
+        parts = [list(loader(r, size).epoch(1)) for r in range(size)]
+        assert set(decoded) == {8 // size}  # only the rank's own rows are decoded
+        for step, batch in enumerate(one):
+            assert torch.equal(torch.cat([p[step]["x"] for p in parts]), batch["x"])
+    resumed = loader(0, 1)
+    real_window = resumed._window
+    monkeypatch.setattr(resumed, "_window", lambda e, w, s: read.append(w) or real_window(e, w, s))
+    again = list(resumed.epoch(1, start_step=7))
+    assert [b["x"].tolist() for b in again] == [b["x"].tolist() for b in one[7:]]
+    assert read and read[0] > 0  # windows wholly before step 7 were not read
+    assert next(loader(0, 1).epoch(2))["x"].tolist() != one[0]["x"].tolist()
 
 
 def test_wikitext_directory(tmp_path):

@@ -391,6 +391,8 @@ def test_split_balances_and_follows_split_points(info):
     ({"name": "pipeline", "schedule": "1f1b", "microbatches": 1}, {}, "strategy.microbatches", "at least"),
     ({"name": "pipeline", "stages": 1}, {"workers": 1}, "strategy.stages", "at least 2 stages"),
     ({"name": "pipedream"}, {"grad_clip": 1.0}, "train.grad_clip", "never known"),
+    ({"name": "pipedream"}, {"gradient_accumulation_steps": 2}, "train.gradient_accumulation_steps",
+     "strategy.microbatches: 2"),
     ({"name": "pipedream", "stages": 4, "weight_versions": 2, "microbatches": 2}, {"workers": 4},
      "strategy.microbatches", "two weight versions"),
     ({"name": "pipedream", "weight_versions": 3}, {}, "strategy.weight_versions", "not one of"),

@@ -4,6 +4,7 @@ WikiText-103 directory streamed through Ray."""
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -133,6 +134,34 @@ def test_wikitext_is_a_preset_of_the_same_path(tmp_path):
                         tmp_path / "cache", **QUIET)
     val = list(text.wikitext_documents(tmp_path / "wiki.valid.tokens"))
     assert torch.equal(read_split(info, info.val_path)["tokens"], torch.from_numpy(rows_in_one_piece(info, val)))
+
+
+# -- one global order under every layout ---------------------------------------------------------
+
+def test_a_streamed_corpus_trains_one_processs_losses_under_every_layout(tmp_path, monkeypatch):
+    """A JSONL corpus with the default loader (stream, from several shards): one process, zero-3 on 2
+    workers, megatron T=2 and a 2-stage pipeline train the same rows, so the same losses. (Reading rows
+    per worker, the 2-worker zero-3 run's losses were 4e-3 apart from one process's.)"""
+    from engines import experiment, train_cases
+
+    from raytrain_par.local_group import run_ranks
+
+    monkeypatch.setattr(shards, "ROWS_PER_SHARD", 64)  # several shards, in two windows an epoch
+    keys = {"name": "text", "path": write_corpus(tmp_path, "jsonl", sentences(600), files=3, field="body"),
+            "field": "body", "seq_len": 16, "vocab_size": 300, "cache_dir": str(tmp_path / "cache")}
+    one = experiment(data=keys, steps=3, batch=16)
+    assert config.from_dict(one).data.effective_loader == "stream"
+    info = data.prepare(config.from_dict(one).data, tmp_path / "cache", **QUIET)
+    assert len(list(Path(info.train_path).glob("*.parquet"))) > 2
+    layouts = {"zero-3": "zero-3", "megatron T=2": {"name": "megatron", "tensor_parallel": 2},
+               "pipeline 2 stages": {"name": "pipeline", "stages": 2, "microbatches": 2}}
+    cases = [(experiment(data=keys, strategy=s, workers=2, steps=3, batch=16), info.to_json(), 3)
+             for s in layouts.values()]
+    (reference,), = run_ranks(1, train_cases, [(one, info.to_json(), 3)])
+    ranks = run_ranks(2, train_cases, cases)
+    assert reference["losses"][-1] < reference["losses"][0]
+    for name, got in zip(layouts, ranks[0]):
+        assert got["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
 
 
 # -- bad inputs ---------------------------------------------------------------------------------

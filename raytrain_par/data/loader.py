@@ -1,18 +1,24 @@
 """Batches for one worker: which rows of each global batch are this worker's, epoch by epoch.
 
-Two loaders, one interface (`steps_per_epoch`, `epoch(e, start_step)`):
+Two loaders, one interface (`steps_per_epoch`, `epoch(e, start_step)`), and one rule: the rows of a
+step depend only on the seed, the epoch, the step and the global batch, never on the number of
+workers or the strategy. Data-parallel rank r takes the r-th slice of each global batch; the pipeline
+and tensor-parallel ranks of one replica read the same slice. So every layout trains the same global
+batches as one process, and a run resumed on another number of workers or under another layout
+continues at the exact row it stopped at.
 
 - `MemoryLoader` holds the whole split in memory (read once, through Ray Data under Ray) and draws
-  every global batch from a permutation seeded by (seed, epoch); data-parallel rank r takes the
-  r-th slice. Every worker count and strategy therefore sees exactly the same global batches, so
-  losses compare one to one, and a resumed run restarts at the exact row it stopped at.
-- `StreamLoader` streams this worker's shard (Ray Data's streaming split) for data sets too large
-  to hold; order within an epoch is shuffled by a local buffer and is not reproducible row by row.
+  every global batch from a permutation of all its rows seeded by (seed, epoch).
+- `StreamLoader` reads the split's Parquet shards as it goes, for data sets too large to hold:
+  in an order of shards seeded by (seed, epoch), a window of shards at a time, the rows of each
+  window permuted by a generator seeded by (seed, epoch, window). It holds one window of stored rows
+  and decodes only its own slice of each global batch (images: only its own files).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -44,20 +50,75 @@ class MemoryLoader:
 
 
 class StreamLoader:
-    def __init__(self, batches: Callable[[int], Iterable[dict[str, torch.Tensor]]], local_batch: int,
-                 rows_per_worker: int):
-        """`batches(epoch)` yields this worker's decoded batches of `local_batch` rows for one epoch."""
-        self.batches, self.local = batches, local_batch
-        self.steps_per_epoch = rows_per_worker // local_batch
+    """This replica's slice of each global batch, streamed from the Parquet shards under `path`.
+
+    Why not Ray Data's streaming split: it hands blocks to workers as they ask for them, so which rows a
+    worker trains depends on the number of workers and on timing, and the pipeline and tensor ranks of
+    one replica would read different rows; no Ray Data API gives one order for every worker count. Each
+    worker reads every shard here (the whole window, with pyarrow; decoding only its slice), so the path
+    must be readable from every worker, as Ray Data's read tasks need it to be."""
+
+    def __init__(self, path: str, decode: Callable[[dict], dict[str, torch.Tensor]], global_batch: int,
+                 dp_rank: int, dp_size: int, seed: int, window_rows: int | None = None):
+        import pyarrow.parquet as pq
+
+        if global_batch % dp_size:
+            raise ValueError(f"global batch {global_batch} does not split over {dp_size} data-parallel ranks")
+        self.files = sorted(str(f) for f in Path(path).glob("*.parquet"))
+        self.rows = [pq.ParquetFile(f).metadata.num_rows for f in self.files]
+        self.decode, self.global_batch, self.seed = decode, global_batch, seed
+        self.local = global_batch // dp_size
+        self.offset = dp_rank * self.local
+        self.n = sum(self.rows)
+        self.steps_per_epoch = self.n // global_batch
         if self.steps_per_epoch == 0:
-            raise ValueError(f"per-worker batch {local_batch} is larger than the {rows_per_worker} rows per worker")
+            raise ValueError(f"global batch {global_batch} is larger than the {self.n} rows of the split")
+        # rows held at once: several global batches, and at least a shard's worth, so that a batch mixes
+        # rows from several shards where there are several
+        self.window_rows = window_rows or max(8 * global_batch, max(self.rows))
+
+    def windows(self, epoch: int) -> list[list[int]]:
+        """The shards of each window of an epoch, in the epoch's order (by their row counts alone)."""
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        out, rows = [[]], 0
+        for i in torch.randperm(len(self.files), generator=g).tolist():
+            if rows >= self.window_rows:
+                out.append([])
+                rows = 0
+            out[-1].append(i)
+            rows += self.rows[i]
+        return out
+
+    def _window(self, epoch: int, w: int, shards: list[int]):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.concat_tables([pq.read_table(self.files[i]) for i in shards])
+        g = torch.Generator().manual_seed((self.seed * 100_003 + epoch) * 1_000_003 + w)
+        return table.take(pa.array(torch.randperm(len(table), generator=g).numpy()))
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-        for step, batch in enumerate(self.batches(epoch)):
+        import pyarrow as pa
+
+        first = start_step * self.global_batch  # the epoch's rows before it were trained on already
+        pending, held, step, end = [], 0, start_step, 0
+        for w, shards in enumerate(self.windows(epoch)):
+            begin, end = end, end + sum(self.rows[i] for i in shards)  # the window's rows in the epoch
+            if end <= first:  # wholly before the resumed step: not read
+                continue
+            table = self._window(epoch, w, shards)
+            if begin < first:
+                table = table.slice(first - begin)
+            pending.append(table)
+            held += len(table)
+            while held >= self.global_batch and step < self.steps_per_epoch:
+                rows = pa.concat_tables(pending)
+                batch = rows.slice(self.offset, self.local)
+                yield self.decode({name: batch.column(name).to_numpy(zero_copy_only=False)
+                                   for name in batch.column_names})
+                pending, held, step = [rows.slice(self.global_batch)], held - self.global_batch, step + 1
             if step >= self.steps_per_epoch:
                 return
-            if step >= start_step:  # resuming mid-epoch: skip what was already trained on
-                yield batch
 
 
 def eval_batches(arrays: dict[str, torch.Tensor], batch: int, dp_rank: int, dp_size: int,
