@@ -211,6 +211,10 @@ def _start_autoscaling_coordinator() -> None:
 
 def preflight(spec: ExperimentSpec, address: str | None, log=print) -> None:
     """What can be refused before data is prepared or earlier results are moved aside."""
+    from .checked import unchecked
+
+    for warning in unchecked():
+        log(f"warning: {warning}")
     place_results(spec, log)
     if address:  # also when this process is already connected: the address given must answer
         check_reachable(address)

@@ -1,8 +1,11 @@
 """The package's import graph: no module imports one that imports it back (also through imports
 inside functions), and the layers below the driver (strategies, models, data, metrics) never import
-Ray, so that an engine runs the same under Ray Train, torchrun and a plain process group."""
+Ray, so that an engine runs the same under Ray Train, torchrun and a plain process group; and the
+worked example of a new strategy in docs/architecture.md trains as written."""
 
 import ast
+
+import pytest
 
 from conftest import REPO
 
@@ -91,3 +94,55 @@ def test_the_layers_below_the_driver_never_import_ray():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             offenders.update({name: m for m in mods if m == "ray" or m.startswith("ray.")})
     assert not offenders, f"import Ray only in the driver, worker and tuning layers: {offenders}"
+
+
+# -- the worked example of docs/architecture.md ------------------------------------------------------
+
+EXAMPLE_NAME = "ddp-fp16"
+
+
+def _example_source() -> str:
+    page = (REPO / "docs" / "architecture.md").read_text()
+    section = page[page.index("### Adding a strategy"):]
+    return section[section.index("```python\n") + len("```python\n"):section.index("\n```\n")]
+
+
+def _register_example(directory: str) -> None:
+    """The page's module under `directory`, and its registry line (in this process)."""
+    import sys
+
+    from raytrain_par import strategies
+
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    strategies.REGISTRY[EXAMPLE_NAME] = "ddp_fp16_example:CompressedDDPEngine"
+    strategies.NAMES = tuple(strategies.REGISTRY)
+
+
+def _train_example(rank, world, directory, cases):
+    from engines import train_cases
+
+    _register_example(directory)
+    return train_cases(rank, world, cases)
+
+
+def test_the_worked_example_of_a_new_strategy_trains(tmp_path, info, monkeypatch):
+    """The strategy docs/architecture.md shows, as written there: parsed by its registry line, trained
+    by the shared step (accumulation and clipping) on 2 gloo ranks, its fp16 all-reduce within fp16's
+    rounding of ddp's losses and not equal to them."""
+    from engines import KJV, experiment
+
+    from raytrain_par import strategies
+    from raytrain_par.local_group import run_ranks
+
+    (tmp_path / "ddp_fp16_example.py").write_text(_example_source())
+    monkeypatch.setattr(strategies, "REGISTRY", dict(strategies.REGISTRY))
+    monkeypatch.setattr(strategies, "NAMES", strategies.NAMES)
+    _register_example(str(tmp_path))
+    train = {"gradient_accumulation_steps": 2, "grad_clip": 0.5, "lr": 3e-3}
+    cases = [(experiment(data=KJV, strategy=name, workers=2, steps=4, **train), info(**KJV), 4)
+             for name in ("ddp", EXAMPLE_NAME)]
+    (ddp, example), _ = run_ranks(2, _train_example, str(tmp_path), cases)
+    assert example["losses"][0] == ddp["losses"][0]  # the same rows and weights before any update
+    assert example["losses"] == pytest.approx(ddp["losses"], rel=1e-2) and example["losses"] != ddp["losses"]
+    assert example["losses"][-1] < example["losses"][0]

@@ -27,6 +27,7 @@ from ..metrics.memory import (Sharding, StateBytes, allocated_bytes, model_state
 from .. import models
 from ..models import checkpoint_activations, parameter_count
 from .context import DTYPES, DistContext
+from .dtensor import local_tensor
 from .layout import Layout, Placement, place
 
 
@@ -116,11 +117,115 @@ class Engine(ABC):
             dist.all_reduce(t, group=self.dp_group)
         return t
 
-    # -- training ------------------------------------------------------------------------------
-    @abstractmethod
+    # -- training: one step, written once (Accelerate's `accumulate` for every engine) ---------------
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One optimizer step on this rank's part of a global batch (stored rows, on the CPU).
-        Returns this rank's mean loss, detached."""
+        """One optimizer step on this rank's part of a global batch (stored rows, on the CPU); returns
+        this rank's mean loss, detached.
+
+        The rows are cut into `train.gradient_accumulation_steps` micro-batches; each one's forward
+        and backward pass is the engine's (`forward_backward`), with the gradient's reduction held
+        back until the last (`no_sync`). Then, once the gradients are complete (`finish_gradients`),
+        the squares of the gradient's parts this rank holds (`grad_squares`) give the gradient noise
+        scale's sample and the global norm that clipping uses, summed over the layout's groups
+        (`global_grad_norm`), and the optimizer steps with the model states measured around it. An
+        engine supplies those few operations; only an engine whose library owns the whole step
+        (DeepSpeed) or that has no synchronous step (PipeDream) overrides this."""
+        self.begin_step()
+        micro = split_batch(batch, self.train.gradient_accumulation_steps)
+        total = torch.zeros((), device=self.device)
+        for i, part in enumerate(micro):
+            with self.no_sync(i < len(micro) - 1):
+                total += self.forward_backward(part, len(micro))
+        own = self.grad_squares if self.measures_noise else None
+        self.finish_gradients(own)
+        if self.measures_noise or self.train.grad_clip:
+            squares = self.grad_squares()
+            if self.measures_noise:  # before clipping: the gradients as the rows gave them
+                copies = 1 if self.layout.sharding == "fsdp" else self.dp_size
+                self.note_noise(self.task.samples_of(batch), squares, copies=copies)
+            if self.train.grad_clip:
+                self.clip_grads(self.global_grad_norm(squares), self.train.grad_clip)
+        self.optimizer_step(self.step_optimizer)
+        return self.end_step(total)
+
+    def begin_step(self) -> None:
+        """Before a step's first forward pass (an engine's per-step counters)."""
+
+    def end_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """After the optimizer step: this rank's mean loss of the step (the sum of its micro-batches')."""
+        return loss
+
+    def no_sync(self, hold: bool):
+        """The context of one micro-batch's forward and backward pass: with `hold`, gradients are kept
+        local (accumulated, not yet reduced over the data-parallel replicas)."""
+        return contextlib.nullcontext()
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], parts: int) -> torch.Tensor:
+        """One micro-batch's forward and backward pass, its loss divided by the `parts` micro-batches of
+        the step (so that the gradients sum to the step's mean); returns that loss, detached."""
+        with self.autocast():
+            loss = self.task.loss(self.module, self.prepare(batch)) / parts
+        self.backward(loss)
+        return loss.detach()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def finish_gradients(self, own: Callable[[], torch.Tensor] | None) -> None:
+        """After the last backward pass, before the norm: what completes the gradients (the reductions
+        an engine makes itself, a loss scale taken off). `own`, where the noise scale is measured and
+        the engine reduces here, gives the squares of this replica's own gradient (`grad_squares`'s
+        parts) for `_local_sq` while it is still unreduced."""
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradients this rank holds (local slices of sharded ones), which clipping scales."""
+        return [local_tensor(p.grad) for p in self.module.parameters() if p.grad is not None]
+
+    def counted_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The gradients the norm counts, as (those this rank alone holds in its tensor-parallel group,
+        those every rank of it holds alike); each parameter of the model once."""
+        return self.grads(), []
+
+    def grad_squares(self) -> torch.Tensor:
+        """[squared norm of `counted_grads`' own, of its replicated] on this rank."""
+        zero = torch.zeros((), device=self.device)
+        return torch.stack([torch.nn.utils.get_total_norm(g).pow(2).to(zero) if g else zero
+                            for g in self.counted_grads()])
+
+    def reduce_over_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over this rank's tensor-parallel group."""
+        if self.layout.tensor > 1:
+            dist.all_reduce(t, group=self.placement.tp_group)
+        return t
+
+    def global_grad_norm(self, squares: torch.Tensor) -> torch.Tensor:
+        """The norm of the whole model's gradient, as clip_grad_norm_ on the plain model takes it, from
+        this rank's `grad_squares` and the layout: split parts summed over the tensor group, replicated
+        ones once, slices summed over the data-parallel replicas where they hold slices (fsdp), stages
+        over the pipeline. Where this rank holds the whole gradient (data parallel, replicated), it is
+        clip_grad_norm_'s own norm of it, to the bit."""
+        layout = self.layout
+        sharded = layout.sharding == "fsdp" and layout.data > 1
+        if layout.tensor == 1 and layout.pipeline == 1 and not sharded:
+            own, replicated = self.counted_grads()
+            return torch.nn.utils.get_total_norm(own + replicated)
+        total = self.reduce_over_tensor(squares[:1].clone()) + squares[1:]
+        if sharded:
+            dist.all_reduce(total, group=self.dp_group)
+        if layout.pipeline > 1:
+            dist.all_reduce(total, group=self.placement.pp_group)
+        return total.sqrt().reshape(())
+
+    def clip_grads(self, norm: torch.Tensor, max_norm: float) -> None:
+        """Scale every gradient by clip_grads_with_norm_'s coefficient (on local slices, so that sharded
+        and split gradients take the plain model's coefficient)."""
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        grads = self.grads()
+        if grads:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+
+    def step_optimizer(self) -> None:
+        self.optimizer.step()
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Stored rows -> model inputs on this rank's device."""

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..metrics.memory import Sharding, StateBytes
 from .layout import Layout
-from .base import Engine, split_batch
+from .base import Engine
 from .context import DistContext
 from .optim import build_optimizer, lr_factor
 from .weights import load_tensors
@@ -103,33 +103,24 @@ class DDPEngine(Engine):
         """fp16 gradients underflow without loss scaling; bf16 has fp32's range and needs none."""
         return train.precision == "fp16"
 
-    def train_step(self, batch):
-        micro = split_batch(batch, self.train.gradient_accumulation_steps)
-        total = torch.zeros((), device=self.device)
-        for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
-            # Only the last micro-batch all-reduces; the others accumulate locally.
-            sync = contextlib.nullcontext() if last or not self.ctx.distributed else self.module.no_sync()
-            with sync:
-                with self.autocast():
-                    loss = self.task.loss(self.module, self.prepare(mb)) / len(micro)
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total += loss.detach()
+    # -- the shared step's operations (base.Engine.train_step) -------------------------------------
+    def no_sync(self, hold):
+        # Only the last micro-batch all-reduces; the others accumulate locally.
+        return self.module.no_sync() if hold and self.ctx.distributed else contextlib.nullcontext()
+
+    def backward(self, loss):
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def finish_gradients(self, own):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        norm = None
-        if self.train.grad_clip:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.grad_clip)
-        if self.measures_noise:  # this worker's whole local gradient was summed in the all-reduce hook
-            if norm is None:
-                norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
-            self.note_noise(self.task.samples_of(batch), norm ** 2)
-        self.optimizer_step(self._scaled_step if self.scaler else None)
-        return total
 
-    def _scaled_step(self) -> None:
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+    def step_optimizer(self) -> None:
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
 
     def eval_module(self):
         return self.model

@@ -29,9 +29,8 @@ from torch import nn
 
 from ..metrics.memory import Sharding, StateBytes
 from .layout import Layout
-from .base import Engine, split_batch
+from .base import Engine
 from .context import DTYPES, DistContext
-from .dtensor import local_tensor
 from .offload import check_host_memory
 from .optim import build_optimizer, lr_factor
 from .weights import load_tensors
@@ -148,26 +147,11 @@ class FSDPEngine(Engine):
         # Sharded: the MixedPrecisionPolicy casts. One process (nothing to shard): plain autocast.
         return contextlib.nullcontext() if self.sharded else super().autocast()
 
-    def train_step(self, batch):
-        micro = split_batch(batch, self.train.gradient_accumulation_steps)
-        total = torch.zeros((), device=self.device)
-        for i, mb in enumerate(micro):
-            if self.sharded:  # reduce-scatter on the last micro-batch only; the others accumulate
-                self.module.set_requires_gradient_sync(i == len(micro) - 1)
-            with self.autocast():
-                loss = self.task.loss(self.module, self.prepare(mb)) / len(micro)
-            loss.backward()
-            total += loss.detach()
-        if self.measures_noise:
-            # The reduced gradient's squares from this rank's shards, summed with the others' in the
-            # one all-reduce (clip_grad_norm_'s norm is a DTensor whose value needs one of its own).
-            shards = [local_tensor(p.grad) for p in self.module.parameters() if p.grad is not None]
-            squares = torch.nn.utils.get_total_norm(shards) ** 2
-            self.note_noise(self.task.samples_of(batch), torch.stack([squares, torch.zeros_like(squares)]), copies=1)
-        if self.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.train.grad_clip)
-        self.optimizer_step()
-        return total
+    # -- the shared step's operations (base.Engine.train_step) -------------------------------------
+    def no_sync(self, hold):
+        if self.sharded:  # reduce-scatter on the last micro-batch only; the others accumulate
+            self.module.set_requires_gradient_sync(not hold)
+        return contextlib.nullcontext()
 
     # -- checkpoints: this rank's shards as plain tensors ----------------------------------------
     def _params(self) -> list[nn.Parameter]:

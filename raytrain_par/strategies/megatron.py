@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -48,7 +47,7 @@ from ..models.causal_lm import SPLIT_FAMILIES
 from . import tensor_parallel as tp_ops
 from .layout import Layout, check_sharding
 from .pipeline import Schedule
-from .base import Engine, split_batch
+from .base import Engine
 from .context import DistContext
 from .dtensor import local_tensor, slice_like, sliced_optimizer_state, whole_optimizer_state, whole_tensor
 from .optim import build_optimizer, lr_factor
@@ -229,63 +228,44 @@ class MegatronEngine(Engine):
         each stage (megatron_pipeline.py, as the pipeline engine measures it)."""
         return options.data_parallel_sharding == "none" and layout.data > 1
 
-    # -- training ----------------------------------------------------------------------------------
-    def train_step(self, batch):
+    # -- the shared step's operations (base.Engine.train_step) -------------------------------------
+    def begin_step(self) -> None:
         self.tp.bytes_reduced, self.dp_bytes = 0, 0
-        micro = split_batch(batch, self.train.gradient_accumulation_steps)
-        total = torch.zeros((), device=self.device)
-        for i, mb in enumerate(micro):
-            last = i == len(micro) - 1
-            sync = contextlib.nullcontext()
-            if self.fsdp:  # reduce-scatter on the last micro-batch only; the others accumulate
-                self.module.set_requires_gradient_sync(last)
-            elif self.dp_size > 1 and not last:
-                sync = self.module.no_sync()
-            # Activations: what autograd keeps for backward in one micro-batch's forward (measured once;
-            # under fsdp it includes the gathered weights the backward pass needs).
-            saved = SavedActivations() if self.activation_bytes is None else None
-            with sync:
-                with saved.track(map(local_tensor, self.model.parameters())) if saved else contextlib.nullcontext():
-                    prepared = self.task.prepare(mb, self.device)
-                    with self.autocast():
-                        loss = self.module(prepared["input_ids"], prepared["labels"]) / len(micro)
-                if saved is not None:
-                    self.activation_bytes = saved.peak
-                loss.backward()
-            total += loss.detach()
-        norm = self.clip_grad_norm(self.train.grad_clip) if self.train.grad_clip else None
-        if self.measures_noise:  # each replica's own gradient was summed in the all-reduce hook
-            rows = self.task.samples_of(batch)
-            if norm is not None:
-                self.note_noise(rows, norm ** 2)
-            else:  # every replica holds the reduced gradient whole
-                self.note_noise(rows, self.grad_squares(), copies=self.dp_size)
-        self.optimizer_step()
+
+    def end_step(self, loss):
         self.step_comm = {"comm_tp_allreduce_bytes_per_step": self.tp.bytes_reduced,
                           "comm_dp_allreduce_bytes_per_step": None if self.fsdp else self.dp_bytes}
-        return total
+        return loss
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip by the norm of the whole model's gradient, each parameter counted once: split parameters'
-        squares summed over the tensor-parallel group, replicated ones (identical on every rank of it)
-        once; under fsdp each rank holds a slice of every gradient, summed over the data-parallel group
-        first. The same coefficient as clip_grad_norm_ on the plain model."""
-        squares = self.grad_squares()
-        if self.fsdp:
-            dist.all_reduce(squares, group=self.dp_group)
-        total = (self.tp.all_reduce(squares[:1]) + squares[1:]).sqrt().reshape(())
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_([local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None], coefficient)
-        return total
+    def no_sync(self, hold):
+        if self.fsdp:  # reduce-scatter on the last micro-batch only; the others accumulate
+            self.module.set_requires_gradient_sync(not hold)
+        elif self.dp_size > 1 and hold:
+            return self.module.no_sync()
+        return contextlib.nullcontext()
 
-    def grad_squares(self) -> torch.Tensor:
-        """[squared norm of the split parameters' gradients, of the replicated ones'] as this rank holds
-        them (under fsdp its slices)."""
+    def forward_backward(self, batch, parts):
+        # Activations: what autograd keeps for backward in one micro-batch's forward (measured once;
+        # under fsdp it includes the gathered weights the backward pass needs).
+        saved = SavedActivations() if self.activation_bytes is None else None
+        with saved.track(map(local_tensor, self.model.parameters())) if saved else contextlib.nullcontext():
+            prepared = self.task.prepare(batch, self.device)
+            with self.autocast():
+                loss = self.module(prepared["input_ids"], prepared["labels"]) / parts
+        if saved is not None:
+            self.activation_bytes = saved.peak
+        loss.backward()
+        return loss.detach()
+
+    def counted_grads(self):
+        """Split parameters' gradients (this rank's slices), and those every tensor-parallel rank holds
+        alike (layer norms, position embeddings, row-parallel biases)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        split = [local_tensor(p.grad) for p in params if self.names[p] in self.splits]
-        replicated = [local_tensor(p.grad) for p in params if self.names[p] not in self.splits]
-        zero = torch.zeros((), device=self.device)
-        return torch.stack([torch.nn.utils.get_total_norm(g) ** 2 if g else zero for g in (split, replicated)])
+        return ([local_tensor(p.grad) for p in params if self.names[p] in self.splits],
+                [local_tensor(p.grad) for p in params if self.names[p] not in self.splits])
+
+    def reduce_over_tensor(self, t):
+        return self.tp.all_reduce(t)  # counted with the step's tensor-parallel bytes
 
     @torch.no_grad()
     def eval_module(self):

@@ -22,7 +22,8 @@ The last stage's loss is the vocabulary-parallel cross-entropy of megatron, so n
 logits. Gradient clipping takes the norm of the whole model's gradient with every parameter counted
 once: split parameters' squares summed over the tensor group, replicated ones (layer norms, position
 embeddings, row-parallel biases; identical on the T ranks) once, the untied copy of the embedding
-not at all, then summed over the pipeline (and, under fsdp, over the replicas' slices).
+not at all, then summed over the pipeline (and, under fsdp, over the replicas' slices): the shared
+step's norm (base.Engine.global_grad_norm) of this engine's `counted_grads`.
 
 Checkpoints: the first data-parallel replica's P x T ranks each write their stages' shard under the
 plain model's names (under fsdp gathered whole from the replicas' slices first, so the files do not
@@ -35,7 +36,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .. import models
@@ -123,27 +123,16 @@ class MegatronPipelineEngine(PipelineEngine):
     def eval_task(self):
         return _SplitVocabularyTask(self.task, self.head_start, self.tp)
 
-    def grad_squares(self) -> torch.Tensor:
-        """[squares of the split parameters' gradients, of the replicated ones'] on this rank, each
-        parameter once over the pipeline (the untied copy of the embedding left out)."""
+    def counted_grads(self):
+        """Split parameters' gradients and replicated ones (layer norms, position embeddings, row-parallel
+        biases; identical on the T ranks), each parameter once over the pipeline (the untied copy of the
+        embedding left out)."""
         counted = [p for p in self.pipe.counted() if p.grad is not None]
-        split = [local_tensor(p.grad) for p in counted if self.names[id(p)] in self.splits]
-        replicated = [local_tensor(p.grad) for p in counted if self.names[id(p)] not in self.splits]
-        zero = torch.zeros((), device=self.device)
-        return torch.stack([torch.nn.utils.get_total_norm(g).pow(2).to(zero) if g else zero
-                            for g in (split, replicated)])
+        return ([local_tensor(p.grad) for p in counted if self.names[id(p)] in self.splits],
+                [local_tensor(p.grad) for p in counted if self.names[id(p)] not in self.splits])
 
-    def clip_grads(self, max_norm: float) -> torch.Tensor:
-        """One norm over tensor, pipeline and data dimensions, each parameter once (module docstring)."""
-        squares = self.grad_squares()
-        total = self.tp.all_reduce(squares[:1].clone()) + squares[1:]
-        if self.pipe.sharded:  # each replica holds a slice of every gradient
-            dist.all_reduce(total, group=self.pipe.dp_group)
-        dist.all_reduce(total, group=self.pipe.pp_group)
-        norm = total.sqrt().reshape(())
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s, on local slices
-        torch._foreach_mul_([local_tensor(p.grad) for p in self.pipe.parameters() if p.grad is not None], coefficient)
-        return norm
+    def reduce_over_tensor(self, t):
+        return self.tp.all_reduce(t)
 
     # -- state ------------------------------------------------------------------------------------
     def full_state_dict(self):

@@ -222,6 +222,9 @@ class PipeDreamEngine(Engine):
 
     # -- one step -----------------------------------------------------------------------------------
     def train_step(self, batch):
+        """PipeDream has no synchronous step: each stage updates on its own clock as its microbatches'
+        backward passes finish (module docstring), so this engine does not run the shared step
+        (base.Engine.train_step); clipping is refused before start and accumulation is its microbatches."""
         self._wait_for_sends()
         task, m = self.task, self.m
         total = torch.zeros((), device=self.device)

@@ -53,7 +53,7 @@ from torch import nn
 
 from ..metrics.memory import (SavedActivations, Sharding, StateBytes, model_state_theory,
                               optimizer_state_bytes)
-from .base import Engine, split_batch
+from .base import Engine
 from .context import DistContext
 from .dtensor import local_tensor, sliced_optimizer_state, whole_optimizer_state
 from .optim import build_optimizer, lr_factor
@@ -295,48 +295,43 @@ class PipelineEngine(Engine):
         self.optimizer = build_optimizer(self.module, train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train, total_steps))
 
-    # -- training ---------------------------------------------------------------------------------
-    def train_step(self, batch):
-        pipe, task = self.pipe, self.task
-        total = torch.zeros((), device=self.device)
+    # -- the shared step's operations (base.Engine.train_step) -------------------------------------
+    # A micro-batch of the step (gradient accumulation) is one run of the schedule over its own
+    # microbatches; the stages' gradients are complete, and reduced over the replicas, after the last.
+    def begin_step(self) -> None:
         self.activations.step()
-        t0 = time.perf_counter()
-        for chunk in split_batch(batch, self.train.gradient_accumulation_steps):
-            prepared = task.prepare(chunk, self.device)
-            args = (prepared[task.input_key],) if pipe.has_first else ()
-            target = prepared[task.label_key] if pipe.has_last else None
-            losses: list | None = [] if pipe.has_last else None
-            # One autocast region for the whole schedule (the stages enter their own, nested): autocast
-            # caches its 16-bit copy of each weight until the outermost region ends, so every
-            # microbatch in flight shares one copy instead of holding its own for its backward pass.
-            with self.activations.track(map(local_tensor, self.module.parameters())), self.autocast():
-                self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
-            if losses:
-                total += torch.stack(losses).detach().sum()
+        self._t0 = time.perf_counter()
+
+    def forward_backward(self, batch, parts):
+        pipe, task = self.pipe, self.task
+        prepared = task.prepare(batch, self.device)
+        args = (prepared[task.input_key],) if pipe.has_first else ()
+        target = prepared[task.label_key] if pipe.has_last else None
+        losses: list | None = [] if pipe.has_last else None
+        # One autocast region for the whole schedule (the stages enter their own, nested): autocast
+        # caches its 16-bit copy of each weight until the outermost region ends, so every
+        # microbatch in flight shares one copy instead of holding its own for its backward pass.
+        with self.activations.track(map(local_tensor, self.module.parameters())), self.autocast():
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        # each microbatch's loss is already divided by every microbatch of the step (see __init__)
+        return torch.stack(losses).detach().sum() if losses else torch.zeros((), device=self.device)
+
+    def finish_gradients(self, own):
         busy = self.busy.take()  # waits for the device before the step's time is read
-        self.bubble.add(1.0 - busy / max(time.perf_counter() - t0, 1e-9))
+        self.bubble.add(1.0 - busy / max(time.perf_counter() - self._t0, 1e-9))
         # The noise scale's small batch: a replica's gradient summed over its microbatches, before it is
         # averaged over the replicas (once tied copies are summed).
-        own = (lambda: self._local_sq.add_(self.grad_squares())) if self.measures_noise else None  # noqa: E731
-        pipe.reduce_grads(local=own)
-        norm = self.clip_grads(self.train.grad_clip) if self.train.grad_clip else None  # the norm before clipping
-        if self.measures_noise:
-            if norm is None:
-                self.note_noise(task.samples_of(batch), self.grad_squares(), copies=self.dp_size)
-            else:
-                self.note_noise(task.samples_of(batch), norm ** 2)
-        self.optimizer_step()
-        return pipe.from_last(total)
+        self.pipe.reduce_grads(local=(lambda: self._local_sq.add_(own())) if own else None)
 
-    def grad_squares(self) -> torch.Tensor:
-        """[squared norm of this rank's gradients, 0] with every parameter once over the pipeline (tied
-        copies left out): `note_noise`'s [own, replicated over the tensor-parallel group]."""
-        grads = [local_tensor(p.grad) for p in self.pipe.counted() if p.grad is not None]
-        zero = torch.zeros((), device=self.device)
-        return torch.stack([torch.nn.utils.get_total_norm(grads).pow(2).to(zero) if grads else zero, zero])
+    def end_step(self, loss):
+        return self.pipe.from_last(loss)
 
-    def clip_grads(self, max_norm: float) -> torch.Tensor:
-        return self.pipe.clip_grads(max_norm)
+    def grads(self):
+        return [local_tensor(p.grad) for p in self.pipe.parameters() if p.grad is not None]
+
+    def counted_grads(self):
+        """Every parameter once over the pipeline (tied copies left out)."""
+        return [local_tensor(p.grad) for p in self.pipe.counted() if p.grad is not None], []
 
     @torch.no_grad()
     def evaluate(self, batches):

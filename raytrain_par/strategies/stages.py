@@ -310,21 +310,6 @@ class Pipeline:
         copies = {id(self.modules[s].get_parameter(name)) for tie in self.ties for s, name in tie.copies}
         return [p for p in (params or self.parameters()) if id(p) not in copies]
 
-    def clip_grads(self, max_norm: float, params: list[nn.Parameter] | None = None) -> torch.Tensor:
-        """Clip by the norm of the whole model's gradient (tied copies counted once), like
-        clip_grad_norm_ on the plain model; sharded stages' slices summed over the replicas."""
-        params = params or self.parameters()
-        counted = [local_tensor(p.grad) for p in self.counted(params) if p.grad is not None]
-        sq = torch.nn.utils.get_total_norm(counted, 2.0).pow(2) if counted else torch.zeros((), device=self.device)
-        sq = sq.to(self.device)
-        if self.sharded:
-            dist.all_reduce(sq, group=self.dp_group)
-        dist.all_reduce(sq, group=self.pp_group)
-        norm = sq.sqrt()
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s, on local slices
-        torch._foreach_mul_([local_tensor(p.grad) for p in params if p.grad is not None], coefficient)
-        return norm
-
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's stages' state under the plain model's names."""

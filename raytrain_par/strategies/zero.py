@@ -343,6 +343,10 @@ class ZeroEngine(Engine):
         return {k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in out.items()}
 
     def train_step(self, batch):
+        """DeepSpeed's engine owns the step: it scales each micro-batch's loss, reduces (stages 2 and 3:
+        partitions) gradients as the backward pass goes, clips by train.grad_clip (its config's
+        gradient_clipping) and steps at the accumulation boundary, so this engine does not run the
+        shared step (base.Engine.train_step)."""
         micro = split_batch(batch, self.train.gradient_accumulation_steps)
         total = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
