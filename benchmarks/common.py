@@ -14,9 +14,8 @@ DOCS = HERE.parent / "docs"
 README = HERE.parent / "README.md"
 
 sys.path.insert(0, str(HERE.parent))  # this checkout's package, installed or not
-from raytrain_par.provenance import (commit, machine, machine_device, machine_text, markdown_table,  # noqa: E402,F401
-                                     provenance,
-                                     table_cells)
+from raytrain_par.provenance import commit, machine, machine_device, machine_text, provenance  # noqa: E402,F401
+from raytrain_par.tables import markdown_table, text_table  # noqa: E402,F401
 from raytrain_par.provenance import write_page as provenance_page  # noqa: E402
 
 
@@ -28,10 +27,7 @@ def write_json(name: str, payload: dict, out: str | None = None, made: dict | No
 
 
 def print_table(head: list[str], rows: list[list]) -> None:
-    cells, widths = table_cells(head, rows)
-    print("  ".join(h.rjust(w) for h, w in zip(head, widths)))
-    for r in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print(text_table(head, rows))
 
 
 def write_page(name: str, title: str, body: str, out: str | None = None, verdict: str | None = None,

@@ -38,7 +38,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from common import write_json, write_page  # noqa: E402
+from common import markdown_table, write_json, write_page  # noqa: E402
 from raytrain_par import config, data, models, strategies  # noqa: E402
 from raytrain_par.data.loader import MemoryLoader  # noqa: E402
 from raytrain_par.data.shards import DatasetInfo, read_split  # noqa: E402
@@ -173,15 +173,11 @@ def page_body(spec, rows: list[dict], steps: int, experiment: str) -> str:
 def table(rows: list[dict]) -> str:
     head = ["precision", "strategy", "workers", "measured B/param", "theory", "by design", "measured / theory",
             "vs DDP", "step time vs DDP", "note"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["precision"], r["strategy"], str(r["workers"]), f"{r['measured_per_param']:.2f}",
-                 f"{r['theory_per_param']:.2f}", f"{r['by_design_per_param']:.2f}",
-                 f"{r['measured_per_param'] / r['theory_per_param']:.2f}",
-                 "-" if r["vs_ddp"] is None else f"{r['vs_ddp']:.2f}x",
-                 "-" if r["step_time_vs_ddp"] is None else f"{r['step_time_vs_ddp']:.2f}x", r["note"]]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table(head, [[
+        r["precision"], r["strategy"], r["workers"], f"{r['measured_per_param']:.2f}", f"{r['theory_per_param']:.2f}",
+        f"{r['by_design_per_param']:.2f}", f"{r['measured_per_param'] / r['theory_per_param']:.2f}",
+        "-" if r["vs_ddp"] is None else f"{r['vs_ddp']:.2f}x",
+        "-" if r["step_time_vs_ddp"] is None else f"{r['step_time_vs_ddp']:.2f}x", r["note"]] for r in rows])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from . import config, data, models, strategies
 from .errors import ConfigError, UserError
 from .metrics.memory import StateBytes, size_text
 from .strategies.context import DTYPES
+from .tables import text_table
 
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
          "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tb": 2**40, "tib": 2**40}
@@ -248,7 +249,4 @@ def table(rows: list[Row], device_memory: int | None) -> str:
                     size_text(r.offloaded) if r.offloaded else "-", size_text(r.activations),
                     size_text(r.gathered) if r.gathered else "-", size_text(r.device_bytes),
                     f"{r.expected / r.params:.2f}", fits])
-    widths = [max(len(h), *(len(row[i]) for row in out)) if out else len(h) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in out]
-    return "\n".join(lines + notes)
+    return "\n".join([text_table(head, out), *notes])

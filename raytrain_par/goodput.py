@@ -52,6 +52,7 @@ from .metrics.goodput import Reference, fit_reference
 from .metrics.records import write_table
 from .metrics.throughput import Probe, ThroughputModel
 from .sweep import Plan, check_goodput, describe, plan as sweep_plan
+from .tables import text_table
 from .worker import probe_loop_per_worker
 
 PROBE_WARMUP, PROBE_STEPS = 2, 4
@@ -256,8 +257,7 @@ def plan_table(rows: list[dict]) -> str:
              f(r["predicted_time_to_target_s"], ".1f"),
              f(None if r["memory_per_worker_bytes"] is None else r["memory_per_worker_bytes"] / 2**20, ".0f"),
              "-" if r["fits"] is None else ("yes" if r["fits"] else "NO")] for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    return "\n".join(["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *body]])
+    return text_table(head, body)
 
 
 class GoodputSearcher(Searcher):

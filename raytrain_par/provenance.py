@@ -92,19 +92,6 @@ def machine_text(m: dict) -> str:
     return f"{where}, torch {m.get('torch')}, Python {m.get('python')}"
 
 
-def table_cells(head: list[str], rows: list[list]) -> tuple[list[list[str]], list[int]]:
-    """The rows as strings, and each column's width."""
-    cells = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(head)]
-    return cells, widths
-
-
-def markdown_table(head: list[str], rows: list[list]) -> str:
-    cells, _ = table_cells(head, rows)
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells])
-
-
 def write_page(path: str | Path, title: str, body: str, command: str | None = None, made: dict | None = None) -> Path:
     """`body` (Markdown) under a title and the line saying how it was produced and not to edit it. `made`:
     the provenance taken when the run started (else now), so that the page's own files, rewritten by the

@@ -25,6 +25,7 @@ from .errors import UserError  # noqa: E402
 from .metrics.efficiency import rank, summarize, workers_text  # noqa: E402
 from .metrics.records import read_records  # noqa: E402
 from .provenance import GENERATED_MARK, cli_command, machine_text, runs_of  # noqa: E402
+from .tables import markdown_table  # noqa: E402
 
 LABELS = {"val_loss": "validation loss", "val_perplexity": "validation perplexity",
           "val_accuracy": "validation accuracy", "grad_noise_scale": "gradient noise scale B_simple (rows)"}
@@ -118,20 +119,21 @@ def _pct(x):
     return None if x is None else 100 * x
 
 
+def _value(v, fmt: str) -> str:
+    return "–" if v is None else format(v, fmt)
+
+
 def _markdown_table(rows: list[dict], metric: str) -> str:
-    def f(v, fmt):
-        return "–" if v is None else format(v, fmt)
-    lines = [f"| # | trial | strategy | workers | batch | lr | time to target (s) | epochs to target | best "
-             f"{metric} | s/step | samples/s | MFU % | exposed comm % | peak MiB/worker | model-state MiB/worker | status |",
-             "|" + "---|" * 16]
-    for i, r in enumerate(rows):
-        lines.append("| " + " | ".join([
-            str(i + 1), r["trial"], r["strategy"], workers_text(r), str(r["global_batch_size"]),
-            f(r.get("lr"), ".3g"), f(r.get("time_to_target_s"), ".1f"), f(r.get("epochs_to_target"), ".2f"),
-            f(r.get("best_metric"), ".4g"), f(r.get("mean_step_time_s"), ".3f"), f(r.get("throughput"), ".1f"),
-            f(_pct(r.get("mfu")), ".1f"), f(_pct(r.get("comm_fraction")), ".1f"), f(_mib(r.get("mem_peak_bytes")), ".0f"), f(_mib(r.get("mem_model_state_bytes")), ".1f"),
-            r.get("status") or "completed"]) + " |")
-    return "\n".join(lines)
+    head = ["#", "trial", "strategy", "workers", "batch", "lr", "time to target (s)", "epochs to target",
+            f"best {metric}", "s/step", "samples/s", "MFU %", "exposed comm %", "peak MiB/worker",
+            "model-state MiB/worker", "status"]
+    return markdown_table(head, [[
+        i + 1, r["trial"], r["strategy"], workers_text(r), r["global_batch_size"],
+        _value(r.get("lr"), ".3g"), _value(r.get("time_to_target_s"), ".1f"), _value(r.get("epochs_to_target"), ".2f"),
+        _value(r.get("best_metric"), ".4g"), _value(r.get("mean_step_time_s"), ".3f"), _value(r.get("throughput"), ".1f"),
+        _value(_pct(r.get("mfu")), ".1f"), _value(_pct(r.get("comm_fraction")), ".1f"),
+        _value(_mib(r.get("mem_peak_bytes")), ".0f"), _value(_mib(r.get("mem_model_state_bytes")), ".1f"),
+        r.get("status") or "completed"] for i, r in enumerate(rows)])
 
 
 def _predicted_vs_measured(rows: list[dict], title: str, path: Path) -> None:
@@ -154,17 +156,14 @@ def _predicted_vs_measured(rows: list[dict], title: str, path: Path) -> None:
 
 
 def _prediction_table(rows: list[dict]) -> str:
-    def f(v, fmt):
-        return "–" if v is None else format(v, fmt)
-    lines = ["Predicted (`search: goodput`) against measured, in the predicted order:\n",
-             "| predicted rank | trial | predicted steps | predicted s/step | predicted time to target (s) "
-             "| measured time to target (s) | status |", "|" + "---|" * 7]
-    for r in sorted(rows, key=lambda r: r.get("predicted_rank") or 0):
-        lines.append("| " + " | ".join([
-            f(r.get("predicted_rank"), "d"), r["trial"], f(r.get("predicted_steps_to_target"), ".1f"),
-            f(r.get("predicted_step_time_s"), ".3f"), f(r["predicted_time_to_target_s"], ".1f"),
-            f(r.get("time_to_target_s"), ".1f"), r.get("status") or "completed"]) + " |")
-    return "\n".join(lines) + "\n\n"
+    head = ["predicted rank", "trial", "predicted steps", "predicted s/step", "predicted time to target (s)",
+            "measured time to target (s)", "status"]
+    table = markdown_table(head, [[
+        _value(r.get("predicted_rank"), "d"), r["trial"], _value(r.get("predicted_steps_to_target"), ".1f"),
+        _value(r.get("predicted_step_time_s"), ".3f"), _value(r["predicted_time_to_target_s"], ".1f"),
+        _value(r.get("time_to_target_s"), ".1f"), r.get("status") or "completed"]
+        for r in sorted(rows, key=lambda r: r.get("predicted_rank") or 0)])
+    return "Predicted (`search: goodput`) against measured, in the predicted order:\n\n" + table + "\n\n"
 
 
 def provenance_text(results_dir: Path) -> str:

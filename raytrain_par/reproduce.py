@@ -29,7 +29,8 @@ from typing import Callable
 
 from .config import ExperimentSpec, load_experiment
 from .errors import UserError, say
-from .provenance import commit as provenance_commit, markdown_table, provenance, write_page
+from .provenance import commit as provenance_commit, provenance, write_page
+from .tables import markdown_table
 from .sweep import describe, plan
 
 REPO = Path(__file__).resolve().parent.parent

@@ -28,6 +28,7 @@ from .metrics.efficiency import rank, summarize, workers_text
 from .metrics.records import RecordWriter, merge, progress_line, read_records, write_table
 from .goodput import GoodputSearcher, GoodputStopper, make_plan, plan_table
 from .sweep import Plan, describe, plan
+from .tables import text_table
 from .worker import steps_per_epoch
 
 
@@ -271,5 +272,4 @@ def trials_table(rows: list[dict]) -> str:
         if predicted:
             line.insert(7, f(r.get("predicted_time_to_target_s"), ".1f"))
         body.append(line)
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    return "\n".join(["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [head, *body]])
+    return text_table(head, body)

@@ -15,6 +15,8 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..tables import text_table
+
 # Columns every record has, in order. Memory columns (these, and any other `mem_*` column a strategy
 # adds) and the hardware-efficiency figures of PER_WORKER are per worker, reduced by max.
 COLUMNS = [
@@ -138,7 +140,4 @@ def table(records: Iterable[dict]) -> str:
             mib(r.get("mem_peak_bytes")), mib(r.get("mem_model_state_census_bytes")),
             mib(r.get("mem_model_state_theory_bytes")), mib(r.get("mem_model_state_bytes")),
         ])
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(head)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-    return "\n".join(lines)
+    return text_table(head, rows)
