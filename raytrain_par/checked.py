@@ -1,10 +1,12 @@
-"""The releases of torch and DeepSpeed whose private APIs this package calls, as they were checked.
+"""The releases of torch, DeepSpeed and transformers whose private APIs this package calls, as they
+were checked.
 
 A few things have no public API in either library (listed in CHECKED, each where it is used). They
 were checked against these releases; another release may have moved them. pyproject.toml pins
 DeepSpeed to its checked minor release; torch is left a range (GPU images bring the CUDA build they
-were made with, and replacing it costs gigabytes), so a torch outside its checked release is named
-before a run starts, with what may break.
+were made with, and replacing it costs gigabytes), and so is transformers (users bring the release
+their models need), so a release outside the checked one is named before a run starts, with what
+may break.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ CHECKED: dict[str, tuple[str, list[str]]] = {
     "deepspeed": ("0.19", [
         "ZeRO-1/2's optimizer-state linking and ZeRO-3's grad_position (strategies/zero.py: a checkpoint "
         "resumed on another worker count)",
+        "deepspeed.ops.__compatible_ops__ (strategies/zero.py: its CPU communication op left unbuilt)",
+    ]),
+    "transformers": ("5.25", [
+        "config._attn_implementation and each model file's eager_attention_forward (strategies/tensor_split.py: "
+        "attention dropout from the tensor-parallel stream)",
     ]),
 }
 

@@ -68,8 +68,8 @@ def _groups(rank, world):
     grid = place(Layout(2, 2, 1, schedule="1f1b", microbatches=2), rank, world, "cpu")
     again = place(Layout(2, 2, 1, "none", "gpipe", 4), rank, world, "cpu")
     tie = grid.group_along("pp", [0, 1], tag="tie")
-    return {"data_only": (ranks(data_only.dp_group), data_only.mesh_of("dp").size(),
-                          data_only.dp_group is dist.group.WORLD, data_only.pp_group, data_only.tp_group),
+    return {"data_only": (ranks(data_only.dp_group), data_only.mesh_of("dp").size(), data_only.pp_group,
+                          data_only.tp_group),
             "grid": [ranks(grid.pp_group), ranks(grid.dp_group), ranks(grid.tp_group)],
             "same_groups": again.pp_group is grid.pp_group and again.mesh is grid.mesh,
             "tie": ranks(tie), "tie_again": grid.group_along("pp", [0, 1], tag="tie") is tie,
@@ -78,12 +78,12 @@ def _groups(rank, world):
 
 
 def test_the_placement_owns_every_group():
-    """One mesh per layout's degrees, built once per process: data parallel only, one dimension whose
-    group is the default group; otherwise (pp, dp, tp) groups, and groups of their own along a
+    """One mesh per layout's degrees, built once per process: data parallel only, one dimension over
+    every worker; otherwise (pp, dp, tp) groups, and groups of their own along a
     dimension (a tied weight's stages, a pipeline's loss) made for every rank alike."""
     out = run_ranks(4, _groups)
     for rank, got in enumerate(out):
-        assert got["data_only"] == ([0, 1, 2, 3], 4, True, None, None)
+        assert got["data_only"] == ([0, 1, 2, 3], 4, None, None)
         p, t = divmod(rank, 2)  # rank = p * T + t with D = 1
         assert got["grid"] == [[t, 2 + t], [rank], [2 * p, 2 * p + 1]]
         assert got["same_groups"] and got["tie_again"]

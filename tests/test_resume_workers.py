@@ -138,6 +138,8 @@ def test_a_streamed_run_may_change_its_worker_count(tmp_path, strategy, written,
       "pipeline checkpoints resume on another scaling.num_workers with the same strategy options"]),
     (experiment(strategy="zero-2", workers=2), experiment(strategy="zero-3", workers=2),
      ["strategy: checkpoint {'name': 'zero-2'"]),
+    (experiment(workers=2), {**experiment(workers=2), "data": {"name": "kjv", "loader": "stream"}},
+     ["data.loader: checkpoint 'memory', experiment 'stream'"]),
 ])
 def test_resume_that_cannot_continue_is_refused_naming_what_differs(tmp_path, written, resumed, words):
     from raytrain_par.driver import check_resumable

@@ -25,6 +25,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from ..errors import DataUnavailable
 from . import documents, images, text
 from .shards import DEFAULT_VAL_FRACTION, DatasetInfo, atomic_dir, load_info, save_info, split_rows, write_split
@@ -187,6 +189,10 @@ def _build_image_folder(spec, cache: Path, out: Path, common: dict) -> DatasetIn
     counts, classes = {}, None
     for split in ("train", "val"):
         paths, labels, classes = images.image_folder(spec.path, split)
+        if split == "train":  # listed class by class: stored in a seeded order, so that each of the
+            # stream loader's windows of shards holds every class (data/loader.py)
+            order = np.random.default_rng(spec.seed).permutation(len(paths))
+            paths, labels = paths[order], labels[order]
         counts[split] = write_split(out / split, {"path": paths, "label": labels})
     return DatasetInfo(kind="image", num_train=counts["train"], num_val=counts["val"], image_shape=[3, size, size],
                        num_classes=len(classes), mean=0.449, std=0.226, encoded_images=True,

@@ -10,9 +10,12 @@ continues at the exact row it stopped at.
 - `MemoryLoader` holds the whole split in memory (read once, through Ray Data under Ray) and draws
   every global batch from a permutation of all its rows seeded by (seed, epoch).
 - `StreamLoader` reads the split's Parquet shards as it goes, for data sets too large to hold:
-  in an order of shards seeded by (seed, epoch), a window of shards at a time, the rows of each
-  window permuted by a generator seeded by (seed, epoch, window). It holds one window of stored rows
-  and decodes only its own slice of each global batch (images: only its own files).
+  in an order of shards seeded by (seed, epoch), a window of several shards at a time, the rows of
+  each window permuted by a generator seeded by (seed, epoch, window), so that a batch mixes rows of
+  several shards (a split written in order -- an image folder class by class, a corpus document by
+  document -- would otherwise give batches of a few classes or documents). It holds one window of
+  stored rows and decodes only its own slice of each global batch (images: only its own files), the
+  next batch in a thread while the step trains.
 """
 
 from __future__ import annotations
@@ -58,28 +61,30 @@ class StreamLoader:
     worker reads every shard here (the whole window, with pyarrow; decoding only its slice), so the path
     must be readable from every worker, as Ray Data's read tasks need it to be."""
 
+    #: shards a window holds at least (all of them where the split has fewer)
+    WINDOW_SHARDS = 4
+
     def __init__(self, path: str, decode: Callable[[dict], dict[str, torch.Tensor]], global_batch: int,
-                 dp_rank: int, dp_size: int, seed: int, window_rows: int | None = None):
+                 dp_rank: int, dp_size: int, seed: int, window_rows: int | None = None, prefetch: bool = True):
         import pyarrow.parquet as pq
 
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} does not split over {dp_size} data-parallel ranks")
         self.files = sorted(str(f) for f in Path(path).glob("*.parquet"))
         self.rows = [pq.ParquetFile(f).metadata.num_rows for f in self.files]
-        self.decode, self.global_batch, self.seed = decode, global_batch, seed
+        self.decode, self.global_batch, self.seed, self.prefetch = decode, global_batch, seed, prefetch
         self.local = global_batch // dp_size
         self.offset = dp_rank * self.local
         self.n = sum(self.rows)
         self.steps_per_epoch = self.n // global_batch
         if self.steps_per_epoch == 0:
             raise ValueError(f"global batch {global_batch} is larger than the {self.n} rows of the split")
-        # rows held at once: several global batches, and at least a shard's worth, so that a batch mixes
-        # rows from several shards where there are several
-        self.window_rows = window_rows or max(8 * global_batch, max(self.rows))
+        # rows held at once: several global batches, and the rows of WINDOW_SHARDS shards
+        self.window_rows = window_rows or max(8 * global_batch, sum(sorted(self.rows)[-self.WINDOW_SHARDS:]))
 
     def windows(self, epoch: int) -> list[list[int]]:
         """The shards of each window of an epoch, in the epoch's order (by their row counts alone)."""
-        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        g = torch.Generator().manual_seed(_seed(self.seed, epoch))
         out, rows = [[]], 0
         for i in torch.randperm(len(self.files), generator=g).tolist():
             if rows >= self.window_rows:
@@ -94,10 +99,15 @@ class StreamLoader:
         import pyarrow.parquet as pq
 
         table = pa.concat_tables([pq.read_table(self.files[i]) for i in shards])
-        g = torch.Generator().manual_seed((self.seed * 100_003 + epoch) * 1_000_003 + w)
+        g = torch.Generator().manual_seed(_seed(self.seed, epoch, w))
         return table.take(pa.array(torch.randperm(len(table), generator=g).numpy()))
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        batches = (self.decode(rows) for rows in self._rows(epoch, start_step))
+        return _ahead(batches) if self.prefetch else batches
+
+    def _rows(self, epoch: int, start_step: int) -> Iterator[dict]:
+        """This replica's stored rows of each step, undecoded."""
         import pyarrow as pa
 
         first = start_step * self.global_batch  # the epoch's rows before it were trained on already
@@ -114,11 +124,58 @@ class StreamLoader:
             while held >= self.global_batch and step < self.steps_per_epoch:
                 rows = pa.concat_tables(pending)
                 batch = rows.slice(self.offset, self.local)
-                yield self.decode({name: batch.column(name).to_numpy(zero_copy_only=False)
-                                   for name in batch.column_names})
+                yield {name: batch.column(name).to_numpy(zero_copy_only=False) for name in batch.column_names}
                 pending, held, step = [rows.slice(self.global_batch)], held - self.global_batch, step + 1
             if step >= self.steps_per_epoch:
                 return
+
+
+def _seed(*parts: int) -> int:
+    """A generator seed from (seed, epoch[, window]), within the 64 bits torch takes, for any seed."""
+    import hashlib
+
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _ahead(items: Iterator, depth: int = 2) -> Iterator:
+    """`items` computed in a thread, up to `depth` ahead of the consumer (decoding images, reading the
+    next window while the step trains); its errors are raised where the item would have come, and a
+    consumer that stops early stops the thread."""
+    import queue
+    import threading
+
+    out: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce():
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        out.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            out.put((done, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            out.put((done, e))
+
+    thread = threading.Thread(target=produce, daemon=True, name="stream-loader")
+    thread.start()
+    try:
+        while True:
+            item, error = out.get()
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
 
 
 def eval_batches(arrays: dict[str, torch.Tensor], batch: int, dp_rank: int, dp_size: int,

@@ -139,7 +139,7 @@ class Engine(ABC):
         own = self.grad_squares if self.measures_noise else None
         self.finish_gradients(own)
         if self.measures_noise or self.train.grad_clip:
-            squares = self.grad_squares()
+            squares = self.grad_squares() if self.measures_noise or not self.holds_whole_gradient else None
             if self.measures_noise:  # before clipping: the gradients as the rows gave them
                 copies = 1 if self.layout.sharding == "fsdp" else self.dp_size
                 self.note_noise(self.task.samples_of(batch), squares, copies=copies)
@@ -205,16 +205,22 @@ class Engine(ABC):
         over the pipeline. Where this rank holds the whole gradient (data parallel, replicated), it is
         clip_grad_norm_'s own norm of it, to the bit."""
         layout = self.layout
-        sharded = layout.sharding == "fsdp" and layout.data > 1
-        if layout.tensor == 1 and layout.pipeline == 1 and not sharded:
+        if self.holds_whole_gradient:
             own, replicated = self.counted_grads()
             return torch.nn.utils.get_total_norm(own + replicated)
         total = self.reduce_over_tensor(squares[:1].clone()) + squares[1:]
-        if sharded:
+        if layout.sharding == "fsdp" and layout.data > 1:  # each replica holds a slice of every gradient
             dist.all_reduce(total, group=self.dp_group)
         if layout.pipeline > 1:
             dist.all_reduce(total, group=self.placement.pp_group)
         return total.sqrt().reshape(())
+
+    @property
+    def holds_whole_gradient(self) -> bool:
+        """Whether this rank's gradients are the whole model's, reduced (no tensor or pipeline split,
+        no slices over the replicas)."""
+        layout = self.layout
+        return layout.tensor == 1 and layout.pipeline == 1 and not (layout.sharding == "fsdp" and layout.data > 1)
 
     def clip_grads(self, norm: torch.Tensor, max_norm: float) -> None:
         """Scale every gradient by clip_grads_with_norm_'s coefficient (on local slices, so that sharded

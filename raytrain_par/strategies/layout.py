@@ -98,7 +98,8 @@ class Placement:
     (`dp_group`) and its tensor-parallel group (`tp_group`).
 
     With more than one worker the mesh always exists: (pp, dp, tp) where P or T > 1, else one
-    dimension (dp) over every worker, whose group is the default one. A group is None where its
+    dimension (dp) over every worker (torch reuses the default group for it, except for gloo on a
+    machine with CUDA, where it makes a group of the same ranks). A group is None where its
     dimension has one rank in a data-parallel-only layout, and everything is None on one worker. Further groups (the ranks holding a weight tied across stages, a
     communicator of its own for a pipeline's loss) come from `group_along`, so that every rank creates
     them in the same order."""
@@ -191,8 +192,8 @@ def place(layout: Layout, rank: int, world_size: int, device_type: str) -> Place
         from torch.distributed.device_mesh import init_device_mesh
 
         if layout.pipeline == 1 and layout.tensor == 1:
-            # Data parallel only: a one-dimensional mesh over every worker, whose group is the default
-            # group itself (torch reuses it), as DDP, DeepSpeed and FSDP2 use it by default.
+            # Data parallel only: a one-dimensional mesh over every worker, the ranks DDP, DeepSpeed and
+            # FSDP2 use by default (torch reuses the default group for it where it can).
             mesh = init_device_mesh(device_type, (layout.data,), mesh_dim_names=("dp",))
             placement = Placement(layout, rank, mesh, dp_group=mesh.get_group("dp"))
         else:
