@@ -1,15 +1,21 @@
 """One GPU, no Ray: how fast and how big GPT-2 medium trains under each data-parallel strategy at
-world size 1, against what the chip can do.
+world size 1, against what the chip can do -- timing the product's own training step.
 
 Why: the project's figures come from Ray clusters, where Ray, data loading and communication
 between ranks mix into every step. This script takes all of that away -- one process, one GPU,
 random tokens made on the device, a GPT-2 written here in nanoGPT's shape -- so what is left is
 each strategy's own cost on the chip, and a number (MFU) that says whether the chip is used well
-before anything is scaled out. It imports only torch and the standard library, besides
-benchmarks/common.py and raytrain_par/metrics/flops.py of the checkout it sits in (found through the
-repository root, not an install; they need nothing more), so it runs on a bare GPU machine without
-Ray, transformers, DeepSpeed, numpy or a network. zero-2 / zero-3 run where DeepSpeed imports;
-elsewhere their rows say why they did not.
+before anything is scaled out. Ray is never imported. Where transformers is missing it falls back to
+importing only torch and the standard library, besides benchmarks/common.py and the package's
+torch-only modules of the checkout it sits in (found through the repository root, not an install),
+so it runs on a bare GPU machine without Ray, transformers, DeepSpeed, numpy or a network. zero-2 /
+zero-3 run where DeepSpeed imports; elsewhere their rows say why they did not.
+
+What is timed (`--path`): where the package's engines import (torch, transformers, and DeepSpeed for
+zero-2 / zero-3), our own engine's training step (`raytrain_par.strategies`, `Engine.train_step`: the
+step `raytrain-par run` trains, without Ray), on the package's GPT-2 (transformers) of the same shape;
+elsewhere the stand-alone GPT-2 written here, with torch's DDP / FSDP2 and DeepSpeed, labelled as the
+fallback on the page and in every row.
 
 Per strategy (ddp, fsdp, zero-2, zero-3), each in a one-rank process group (nccl; gloo on CPU):
 - micro-batch: the largest power of two from 1 (up to --max-batch) with which one step fits in
@@ -294,6 +300,58 @@ def build_zero(stage: int):
 
 
 BUILDERS = {"ddp": build_ddp, "fsdp": build_fsdp, "zero-2": build_zero(2), "zero-3": build_zero(3)}
+
+
+# -- our own engine: the training step `raytrain-par run` takes, here without Ray ----------------
+
+ENGINE_PATH = "engine"  # raytrain_par.strategies' Engine.train_step on the package's GPT-2
+STANDALONE_PATH = "stand-alone"  # the GPT-2 above with torch's / DeepSpeed's own wrappers (fallback)
+
+
+def engine_unavailable() -> Optional[str]:
+    """None where the package's engines and models import here, else why not (a bare GPU machine
+    without transformers runs the stand-alone model instead)."""
+    try:
+        import transformers  # noqa: F401
+
+        from raytrain_par import models, strategies  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure to import means the fallback
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+def engine_experiment(name: str, c: GPTConfig, device: torch.device, dtype: torch.dtype, batch: int) -> dict:
+    """The experiment whose step is timed: the package's GPT-2 with this model's shape (vocabulary at
+    the embedding's rows), no dropout, AdamW as above, no clipping, a constant learning rate."""
+    return {"name": "gpu-check",
+            "model": {"name": "gpt2-medium", "n_layer": c.n_layer, "n_embd": c.n_embd, "n_head": c.n_head},
+            "data": {"name": "kjv", "seq_len": c.seq, "vocab_size": c.rows},
+            "strategy": {"name": name}, "scaling": {"num_workers": 1, "use_gpu": device.type == "cuda"},
+            "train": {"global_batch_size": batch, "max_steps": 1, "optimizer": "adamw", "lr": 1e-4,
+                      "betas": [0.9, 0.95], "weight_decay": 0.0, "grad_clip": 0.0, "warmup_steps": 0,
+                      "lr_schedule": "constant", "precision": "bf16" if dtype == torch.bfloat16 else "fp32"}}
+
+
+def build_engine(name: str):
+    def build(c, device, dtype, batch, note):
+        from raytrain_par import config, models, strategies
+        from raytrain_par.data.shards import DatasetInfo
+        from raytrain_par.strategies import DistContext
+
+        spec = config.parse(engine_experiment(name, c, device, dtype, batch))
+        info = DatasetInfo(name="gpu-check", kind="text", train_path="", val_path="", num_train=0, num_val=0,
+                           seq_len=c.seq, vocab_size=c.rows)
+        model, task = models.build(spec.model, info, seed=0)
+        engine = strategies.build_engine(spec.strategy, model, task, spec.train, DistContext.current(device), 1)
+        del model
+        # The engine measures model states right before and right after its optimizer step, gradients
+        # still held: where this script takes its own figure.
+        engine.note_memory = note
+
+        def step(x, y):
+            return engine.train_step({"tokens": torch.cat([x, y[:, -1:]], dim=1)})
+        return step, getattr(engine.module, "destroy", None)  # DeepSpeed's engine
+    return build
 _deepspeed: dict = {}
 
 
@@ -356,6 +414,7 @@ class Setup:
     batch_how: str        # where a fixed batch comes from
     deadline: float       # time.monotonic() after which no strategy starts
     deepspeed_on_cpu: bool
+    path: str = STANDALONE_PATH  # what is timed: ENGINE_PATH or STANDALONE_PATH
 
 
 def is_oom(e: BaseException) -> bool:
@@ -446,7 +505,7 @@ def alloc_retries(device: torch.device) -> Optional[int]:
 def empty_row(strategy: str, status: str, flops: dict, device: torch.device) -> dict:
     """Every row has every column; what was not measured is None."""
     params = flops["formula"]["params"]
-    return {"strategy": strategy, "status": status, "batch": None, "batch_how": None, "tokens_per_step": None,
+    return {"strategy": strategy, "status": status, "path": None, "batch": None, "batch_how": None, "tokens_per_step": None,
             "step_time_s": None, "tokens_per_s": None, "achieved_tflops": None, "mfu_vs_datasheet": None,
             "mfu_vs_measured": None, "loss": None, "peak_mem_bytes": None, "model_state_bytes": None,
             "allocated_before_model_bytes": None, "model_state_bytes_per_param": None, "alloc_retries": None,
@@ -457,10 +516,11 @@ def empty_row(strategy: str, status: str, flops: dict, device: torch.device) -> 
 
 def run_strategy(name: str, s: Setup, flops: dict, peaks: dict) -> dict:
     row = empty_row(name, "ok", flops, s.device)
+    row["path"] = s.path
     if name.startswith("zero") and (why := deepspeed_skip_reason(s.device, s.deepspeed_on_cpu)):
         row["status"] = f"skipped: {why}"
         return row
-    build = BUILDERS[name]
+    build = build_engine(name) if s.path == ENGINE_PATH else BUILDERS[name]
     try:
         if s.batch:
             batch, how = s.batch, s.batch_how
@@ -538,12 +598,12 @@ def gib(v) -> str:
     return "-" if v is None else f"{v / 2**30:.2f}"
 
 
-HEAD = ["strategy", "status", "batch", "step s", "tokens/s", "TFLOP/s", "MFU datasheet", "MFU measured",
+HEAD = ["strategy", "path", "status", "batch", "step s", "tokens/s", "TFLOP/s", "MFU datasheet", "MFU measured",
         "peak GiB", "state GiB", "state B/param", "theory B/param"]
 
 
 def table_rows(rows: list[dict]) -> list[list]:
-    return [[r["strategy"], r["status"], fmt(r["batch"], "d"), fmt(r["step_time_s"], ".4f"),
+    return [[r["strategy"], r["path"] or "-", r["status"], fmt(r["batch"], "d"), fmt(r["step_time_s"], ".4f"),
              fmt(r["tokens_per_s"], ",.0f"), fmt(r["achieved_tflops"], ".4g"), fmt(r["mfu_vs_datasheet"], pct=True),
              fmt(r["mfu_vs_measured"], pct=True), gib(r["peak_mem_bytes"]), gib(r["model_state_bytes"]),
              fmt(r["model_state_bytes_per_param"], ".2f"), r["theory_bytes_per_param"]] for r in rows]
@@ -565,7 +625,13 @@ def page_body(run: dict, flops: dict, peaks: dict, rows: list[dict], target: str
     pad = f", embedding padded to {c['vocab_rows']} rows" if c["vocab_rows"] else ""
     ds = (f"{peaks['datasheet_tflops']:g} TFLOP/s dense {peaks['dtype']}" if peaks["datasheet_tflops"]
           else f"n/a ({run['device']} is not in the table)")
+    timed = ("our own engine's training step (`raytrain_par.strategies`, `Engine.train_step`, as `raytrain-par run` "
+             "trains it, without Ray) on the package's GPT-2 (transformers) of this shape"
+             if run["path"] == ENGINE_PATH else
+             f"the stand-alone GPT-2 of benchmarks/gpu_check.py with torch's DDP / FSDP2 and DeepSpeed, a fallback "
+             f"({run['path_reason']})")
     lines = [
+        f"- timed: {timed}",
         f"- device: {run['device']}" + (f" (environment: {run['env']})" if run["env"] else ""),
         f"- model: {c['n_layer']} layers, d {c['n_embd']}, {c['n_head']} heads, vocab {c['vocab']}{pad}, "
         f"seq {c['seq']}; {f['params']:,} parameters; compute in {peaks['dtype']}; random init, random tokens",
@@ -612,6 +678,9 @@ def parse_args(argv):
                    "(default: padded to a multiple of 64, as nanoGPT does)")
     p.add_argument("--probe-size", type=int,
                    help="n of the n^3 matmul that measures the peak (default 8192 on cuda, 512 on cpu)")
+    p.add_argument("--path", choices=("auto", ENGINE_PATH, STANDALONE_PATH), default="auto",
+                   help="what is timed: auto (default): our engine where the package imports, else the stand-alone "
+                   "model; engine: fail where it does not import; stand-alone: the script's own GPT-2")
     p.add_argument("--deepspeed", action="store_true", help="run zero-2 / zero-3 in CPU mode too (skipped there by default)")
     p.add_argument("--time-budget", type=float, default=270.0, help="seconds after which no further strategy starts; "
                    "one is also skipped when the slowest so far would not fit (default 270: the run stays under 5 min)")
@@ -683,9 +752,19 @@ def main(argv=None) -> int:
           f"({flops['used']} used); peak {measured:.4g} TFLOP/s measured, "
           f"{peaks['datasheet_tflops'] or 'n/a'} datasheet", flush=True)
 
+    why = engine_unavailable() if a.path != STANDALONE_PATH else None
+    if a.path == ENGINE_PATH and why:
+        print(f"error: --path engine: the package's engines do not import here ({why}); fix: install the "
+              "package (pip install -e .), or use --path stand-alone", file=sys.stderr)
+        return 2
+    reason = ("chosen with --path stand-alone" if a.path == STANDALONE_PATH else
+              f"the package's engines do not import here: {why}" if why else None)
+    path = STANDALONE_PATH if reason else ENGINE_PATH
+    print(f"timing {'our engine (raytrain_par.strategies)' if path == ENGINE_PATH else f'the stand-alone model ({reason})'}",
+          flush=True)
     s = Setup(cfg, device, dtype, a.warmup if a.warmup is not None else (3 if cuda else 2),
               a.steps or (10 if cuda else 3), a.max_batch, a.batch or (None if cuda else CPU_BATCH),
-              "--batch" if a.batch else "fixed in CPU mode", start + a.time_budget, a.deepspeed)
+              "--batch" if a.batch else "fixed in CPU mode", start + a.time_budget, a.deepspeed, path)
     rows, slowest = [], 0.0
     with one_rank_group(device):
         for strategy in a.strategies:
@@ -706,6 +785,7 @@ def main(argv=None) -> int:
     p = provenance()
     run = {"date": p["date"], "commit": p["commit"], "device": name, "device_kind": device.type,
            "command": p["command"], "env": env, "model": asdict(cfg), "dtype": dname, "warmup": s.warmup,
+           "path": path, "path_reason": reason,
            "steps": s.steps, "wall_s": time.monotonic() - start}
     out_dir = Path(a.out_dir) if a.out_dir else None
     json_path = write_json("gpu_check", {"run": run, "flops": flops, "peak": peaks,

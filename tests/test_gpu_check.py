@@ -75,7 +75,11 @@ def test_markdown_names_commit_device_command_and_target(cpu_run):
     assert "device: CPU" in md and f"--out-dir {out}" in md
     target = [line for line in md.splitlines() if "Target (ddp MFU >= 45% of the measured" in line]
     assert len(target) == 1 and ("NOT met" in target[0] or ": met" in target[0]), md
-    assert "| ddp | ok |" in md and "| fsdp | ok |" in md
+    assert "| ddp | engine | ok |" in md and "| fsdp | engine | ok |" in md
+    # where the package imports, the product's own step is what is timed, and the page says so
+    assert "- timed: our own engine's training step (`raytrain_par.strategies`, `Engine.train_step`" in md
+    run = json.loads((out / "gpu_check.json").read_text())["run"]
+    assert (run["path"], run["path_reason"]) == ("engine", None)
 
 
 BARE = ("ray", "transformers", "deepspeed", "pyarrow", "pandas", "numpy")
@@ -126,7 +130,10 @@ def test_cpu_run_on_a_bare_machine(tmp_path):
     for name in ("zero-2", "zero-3"):
         assert rows[name]["status"] == "skipped: deepspeed not importable (not installed)"
     assert result["commit"] == result["run"]["commit"] == "unknown"  # a copy without git
-    assert "| ddp | ok |" in (out / "gpu-check.md").read_text()
+    md = (out / "gpu-check.md").read_text()
+    assert "| ddp | stand-alone | ok |" in md  # transformers is missing: the labelled fallback
+    assert result["run"]["path"] == "stand-alone" and "transformers" in result["run"]["path_reason"]
+    assert "- timed: the stand-alone GPT-2 of benchmarks/gpu_check.py" in md and "a fallback" in md
 
 
 def test_flop_counter_matches_formula(gpu_check):
@@ -177,6 +184,14 @@ def setup(gpu_check, **kw):
     return gpu_check.Setup(**{"cfg": gpu_check.MODELS["tiny"], "device": torch.device("cpu"), "dtype": torch.float32,
                               "warmup": 1, "steps": 2, "max_batch": 256, "batch": None, "batch_how": "",
                               "deadline": time.monotonic() + 60, "deepspeed_on_cpu": False, **kw})
+
+
+def test_engine_path_is_required_where_asked(gpu_check, monkeypatch, capsys):
+    """--path engine where the package's engines do not import: refused, naming why and the fix."""
+    monkeypatch.setattr(gpu_check, "engine_unavailable", lambda: "ModuleNotFoundError: No module named 'transformers'")
+    assert gpu_check.main(["--device", "cpu", "--path", "engine", "--strategies", "ddp"]) == 2
+    err = capsys.readouterr().err
+    assert "--path engine" in err and "transformers" in err and "fix: install the package" in err
 
 
 def test_batch_search_keeps_the_largest_power_of_two_that_fits(gpu_check):
