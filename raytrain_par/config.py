@@ -93,7 +93,7 @@ class DataSpec:
 
     @property
     def effective_loader(self) -> str:
-        return self.loader or (data_sets.SETS[self.name].loader if self.name in data_sets.SETS else "memory")
+        return data_sets.loader_of(self.name, self.loader)
 
 
 @dataclass

@@ -323,8 +323,7 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
     if any_workers:
         lifted.add("scaling.num_workers")
     diffs, notes = [], []
-    written_set = data_sets.SETS.get(get(written, "data.name"))
-    loader = get(written, "data.loader") or (written_set.loader if written_set else "memory")
+    loader = data_sets.loader_of(get(written, "data.name"), get(written, "data.loader"))
     if loader != spec.data.effective_loader:  # the defaults differ by data set: compare what ran
         diffs.append(f"data.loader: checkpoint {loader!r}, experiment {spec.data.effective_loader!r}: the two "
                      "loaders draw the rows of a step in different orders")

@@ -31,7 +31,7 @@ from ..errors import DataUnavailable
 from . import documents, images, text
 from .shards import DEFAULT_VAL_FRACTION, DatasetInfo, atomic_dir, load_info, save_info, split_rows, write_split
 
-__all__ = ["DatasetInfo", "DataSet", "SETS", "NAMES", "TEXT", "IMAGE", "NEEDS_PATH", "OPTIONAL_KEYS", "kind_of",
+__all__ = ["DatasetInfo", "DataSet", "SETS", "NAMES", "TEXT", "IMAGE", "NEEDS_PATH", "OPTIONAL_KEYS", "kind_of", "loader_of",
            "check_available", "prepare", "default_cache_dir", "shape_of", "tokenizer_vocab_size",
            "DEFAULT_VAL_FRACTION"]
 
@@ -224,3 +224,9 @@ NEEDS_PATH = tuple(n for n, ds in SETS.items() if ds.path)
 
 def kind_of(name: str) -> str:
     return SETS[name].kind
+
+
+def loader_of(name: str, loader: str | None) -> str:
+    """The loader a `data:` section trains with: its `loader`, else its set's default (memory for a
+    name that is not a set: config.py rejects it, and a checkpoint's may predate a set)."""
+    return loader or (SETS[name].loader if name in SETS else "memory")

@@ -149,20 +149,24 @@ def _ahead(items: Iterator, depth: int = 2) -> Iterator:
     stop = threading.Event()
     done = object()
 
+    def put(entry) -> bool:
+        """Hand `entry` over, unless the consumer has stopped (then False)."""
+        while not stop.is_set():
+            try:
+                out.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce():
         try:
             for item in items:
-                while not stop.is_set():
-                    try:
-                        out.put((item, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put((item, None)):
                     return
-            out.put((done, None))
+            put((done, None))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            out.put((done, e))
+            put((done, e))
 
     thread = threading.Thread(target=produce, daemon=True, name="stream-loader")
     thread.start()

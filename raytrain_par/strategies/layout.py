@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
-SHARDINGS = ("none", "fsdp", "zero-1", "zero-2", "zero-3")
 DIMENSIONS = ("pp", "dp", "tp")
 
 
@@ -42,7 +42,7 @@ class Layout:
     pipeline: int = 1  # P: pipeline ranks (each holds a run of layers)
     tensor: int = 1  # T: ranks each layer is split over
     data: int = 1  # D: replicas (or shards) of the model that read different rows
-    sharding: str = "none"  # how the D replicas hold model states: one of SHARDINGS
+    sharding: str = "none"  # how the D replicas hold model states: none, fsdp, zero-1, zero-2, zero-3
     # The pipeline's schedule (torch's gpipe, 1f1b, ... or `pipedream`), microbatches per step and
     # stages each pipeline rank holds; None / 1 without a pipeline.
     schedule: str | None = None
@@ -100,9 +100,9 @@ class Placement:
     With more than one worker the mesh always exists: (pp, dp, tp) where P or T > 1, else one
     dimension (dp) over every worker (torch reuses the default group for it, except for gloo on a
     machine with CUDA, where it makes a group of the same ranks). A group is None where its
-    dimension has one rank in a data-parallel-only layout, and everything is None on one worker. Further groups (the ranks holding a weight tied across stages, a
-    communicator of its own for a pipeline's loss) come from `group_along`, so that every rank creates
-    them in the same order."""
+    dimension has one rank in a data-parallel-only layout, and everything is None on one worker.
+    Further groups (the ranks holding a weight tied across stages, a communicator of its own for a
+    pipeline's loss) come from `group_along`, so that every rank creates them in the same order."""
 
     layout: Layout
     rank: int
@@ -147,33 +147,21 @@ class Placement:
         collective: every rank calls it with the same arguments, and each gets its own group, or None
         where its coordinate is not in `members`. Made once per (dim, members, tag); `tag` tells
         groups of the same ranks apart (NCCL orders the operations of one communicator)."""
-        size = dict(zip(DIMENSIONS, self.layout.degrees))[dim]
-        members = tuple(range(size) if members is None else members)
+        axis = DIMENSIONS.index(dim)
+        members = tuple(range(self.layout.degrees[axis]) if members is None else members)
         key = (dim, members, tag)
         if key not in self._extra:
-            layout, mine = self.layout, None
-            axis = DIMENSIONS.index(dim)
-            others = [(a, b) for a in range(layout.degrees[(axis + 1) % 3]) for b in range(layout.degrees[(axis + 2) % 3])]
-            for a, b in sorted(others, key=lambda ab: _order(axis, ab)):
-                ranks = [layout.rank_of(*_coords(axis, m, a, b)) for m in members]
+            # rank = (p * D + d) * T + t: the ranks laid out (P, D, T), one row per group along `dim`,
+            # the rows in (p, d, t) order of the other coordinates
+            grid = torch.arange(self.layout.world).reshape(self.layout.degrees).movedim(axis, -1)
+            mine = None
+            for row in grid.reshape(-1, grid.shape[-1]).tolist():
+                ranks = [row[m] for m in members]
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     mine = group
             self._extra[key] = mine
         return self._extra[key]
-
-
-def _coords(axis: int, along: int, a: int, b: int) -> tuple[int, int, int]:
-    """(p, d, t) with `along` on `axis` and (a, b) on the next two axes, cyclically."""
-    out = [0, 0, 0]
-    out[axis], out[(axis + 1) % 3], out[(axis + 2) % 3] = along, a, b
-    return tuple(out)
-
-
-def _order(axis: int, ab: tuple[int, int]) -> tuple[int, int]:
-    """Groups are made in (p, d, t) order of the other two coordinates."""
-    c = _coords(axis, 0, *ab)
-    return tuple(v for i, v in enumerate(c) if i != axis)
 
 
 _PLACED: dict[tuple, Placement] = {}
