@@ -39,10 +39,44 @@ EXAMPLES = {
 }
 
 
+def versions() -> dict:
+    """What a bug report needs: this package's version and those of the libraries it trains with."""
+    from importlib import metadata
+
+    out = {}
+    for dist in ("raytrain-par", "torch", "ray", "deepspeed", "transformers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    try:
+        import torch
+
+        out["cuda"] = torch.version.cuda
+        out["gpus"] = torch.cuda.device_count() if torch.version.cuda else 0
+    except Exception:  # a broken torch install is reported as such, not as a traceback
+        out["cuda"], out["gpus"] = None, 0
+    return out
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        v = versions()
+        libs = ", ".join(f"{k} {v[k] or 'not installed'}" for k in ("torch", "ray", "deepspeed", "transformers"))
+        cuda = f"CUDA {v['cuda']}, {v['gpus']} GPU(s) visible" if v["cuda"] else "no CUDA (CPU build of torch)"
+        print(f"raytrain-par {v['raytrain-par']} ({libs}; {cuda})")
+        parser.exit(0)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raytrain-par", description=__doc__.split("\n\n")[0],
                                 epilog="start with: " + EXAMPLES["run"] + "\n(activate the environment first: "
                                 ". .venv/bin/activate)", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action=_Version, help="print the versions of raytrain-par, torch, ray, deepspeed "
+                   "and transformers, and CUDA's where there is one, and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, **kw):

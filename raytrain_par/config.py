@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -31,6 +32,10 @@ from .errors import ConfigError
 
 DEFAULT_VOCAB_SIZE = 8192
 TOP_LEVEL = ("name", "model", "data", "strategy", "scaling", "train", "target", "output_dir", "sweep")
+# Fields that name files or directories. A relative one is resolved against the directory of the
+# experiment file that holds it (as a `model.config` beside the file is meant), one given by `--set`
+# against the current directory (as a path typed in a shell is meant); workers are given absolute paths.
+PATH_FIELDS = ("model.config", "data.path", "data.tokenizer", "data.cache_dir", "output_dir")
 
 
 @dataclass
@@ -370,7 +375,19 @@ def _parse_target_string(text: str) -> dict:
     if not m:
         raise ConfigError("target", text, "cannot read the target", "write it as `val_perplexity <= 200` or "
                           "as a mapping {metric: val_perplexity, value: 200}")
-    return {"metric": m.group(1), "value": float(m.group(3))}
+    metric, op = m.group(1), m.group(2)
+    try:
+        value = float(m.group(3))
+    except ValueError:
+        raise ConfigError("target", text, f"{m.group(3)!r} is not a number", f"write e.g. `{metric} {op} 200`") from None
+    known = set(models.LanguageModelling.metrics) | set(models.ImageClassification.metrics)
+    want = ">=" if TargetSpec(metric, 0.0).mode == "max" else "<="
+    if metric in known and op != want:  # an unknown metric is named as such by validate()
+        kind, moves = ("higher", "rises") if want == ">=" else ("lower", "falls")
+        raise ConfigError("target", text, f"the operator points the wrong way: {metric} is better {kind}, so the "
+                          f"target is the value it {moves} to ({want})",
+                          f"write `{metric} {want} {m.group(3)}`")
+    return {"metric": metric, "value": value}
 
 
 def _parse_strategy(raw) -> StrategySpec:
@@ -568,8 +585,9 @@ def _validate_elastic(spec: ExperimentSpec) -> None:
                           f"{counts} cannot ({why})", fix)
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply `a.b=value` overrides (value read as YAML) to a raw experiment mapping, in order."""
+def apply_overrides(raw: dict, overrides: list[str], base: Path | None = None) -> dict:
+    """Apply `a.b=value` overrides (value read as YAML) to a raw experiment mapping, in order; with
+    `base`, a relative path they set is taken from that directory."""
     raw = yaml.safe_load(yaml.safe_dump(raw)) if raw else {}
     for item in overrides or ():
         if "=" not in item:
@@ -593,7 +611,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"--set {key}", text, f"{'.'.join(parts[:i + 1])} is not a mapping",
                                   "set the parent key as a whole instead")
             node = child
-        node[parts[-1]] = value
+        node[parts[-1]] = resolve_paths(value, base, key.strip()) if base is not None else value
     return raw
 
 
@@ -603,19 +621,89 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError("experiment file", str(path), "no such file", "give the path of an experiment YAML, "
                           "e.g. experiments/quickstart.yaml")
     try:
-        raw = yaml.safe_load(p.read_text())
+        text = p.read_text()
+    except (UnicodeDecodeError, OSError) as e:
+        raise ConfigError("experiment file", str(path), f"cannot be read as text ({e.__class__.__name__})",
+                          "give the path of an experiment YAML (a UTF-8 text file)") from None
+    return yaml_mapping(text, str(path))
+
+
+def yaml_mapping(text: str, source: str = "experiment file"):
+    """YAML text -> its value, refusing what PyYAML accepts silently: a key given twice in one mapping
+    (YAML's spec forbids it; PyYAML keeps the last, so a second `train:` block would drop the first's keys)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        _refuse_duplicate_keys(node, "")
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
-        raise ConfigError("experiment file", str(path), f"not valid YAML at {where}: {getattr(e, 'problem', e)}",
+        raise ConfigError("experiment file", source, f"not valid YAML at {where}: {getattr(e, 'problem', e)}",
                           "fix the YAML syntax there (indentation, a missing ':' or quote)") from None
     return raw if raw is not None else {}
 
 
+def _refuse_duplicate_keys(node, path: str) -> None:
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{path}[{i}]")
+    elif isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for key, value in node.value:
+            name = key.value if isinstance(key, yaml.ScalarNode) else None
+            where = _join(path, name)
+            if name is not None and name != "<<":
+                if name in seen:
+                    raise ConfigError(where, name, f"given twice in one mapping (lines {seen[name] + 1} and "
+                                      f"{key.start_mark.line + 1}); YAML keeps only the second",
+                                      f"merge the two into one `{name}:`")
+                seen[name] = key.start_mark.line
+            _refuse_duplicate_keys(value, where)
+
+
+def resolve_paths(raw, base: Path, prefix: str = ""):
+    """`raw` (the value at field path `prefix`) with every relative path field (PATH_FIELDS) under it
+    made absolute against `base`."""
+    if prefix in PATH_FIELDS:
+        return _absolute(raw, base)
+    if not isinstance(raw, dict) or prefix and not any(f.startswith(prefix + ".") for f in PATH_FIELDS):
+        return raw
+    out = dict(raw)
+    for key, value in raw.items():
+        out[key] = resolve_paths(value, base, _join(prefix, key))
+    if not prefix and isinstance(raw.get("sweep"), dict):  # a sweep's values are fields too
+        out["sweep"] = _resolve_sweep(raw["sweep"], base)
+    return out
+
+
+def _resolve_sweep(sweep: dict, base: Path) -> dict:
+    out = dict(sweep)
+    if isinstance(sweep.get("grid"), dict):
+        out["grid"] = {k: [resolve_paths(v, base, k) for v in vs] if isinstance(vs, list) else vs
+                       for k, vs in sweep["grid"].items()}
+    if isinstance(sweep.get("random"), dict):
+        out["random"] = {k: [resolve_paths(v, base, k) for v in vs] if isinstance(vs, list) else vs
+                         for k, vs in sweep["random"].items()}
+    if isinstance(sweep.get("cases"), list):
+        out["cases"] = [{k: resolve_paths(v, base, k) for k, v in case.items()} if isinstance(case, dict) else case
+                        for case in sweep["cases"]]
+    return out
+
+
+def _absolute(value, base: Path):
+    if not isinstance(value, str) or not value.strip() or "://" in value:
+        return value  # not a path: validate() names what is wrong with it
+    path = os.path.expanduser(value)
+    return path if os.path.isabs(path) else os.path.normpath(os.path.join(base, path))
+
+
 def load_experiment(path: str | Path, overrides: list[str] | None = None, check_data: bool = True) -> ExperimentSpec:
-    """Read, override and validate an experiment; with `check_data`, also check its data is here."""
+    """Read, override and validate an experiment; with `check_data`, also check its data is here.
+    Relative paths in the file are taken from the file's directory, those of `overrides` from the
+    current directory."""
     try:
-        spec = parse(apply_overrides(read_yaml(path), overrides or []))
+        raw = resolve_paths(read_yaml(path), Path(path).expanduser().absolute().parent)
+        spec = parse(apply_overrides(raw, overrides or [], base=Path.cwd()))
     except ConfigError as e:
         raise e.with_source(str(path)) from None
     if check_data:
