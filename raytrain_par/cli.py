@@ -16,8 +16,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
+import json
+import math
+import os
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -88,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field, e.g. --set train.epochs=3 (repeatable; value read as YAML)")
 
+    def json_arg(sp):
+        sp.add_argument("--json", action="store_true", help="print one JSON document on stdout (its `schema` "
+                        "field versions its keys; docs/cli.md lists them) and everything else on stderr")
+
     run = add("run", help="train one experiment on a Ray cluster")
     experiment_args(run)
     run.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
@@ -103,14 +112,17 @@ def _parser() -> argparse.ArgumentParser:
     experiment_args(plan)
     plan.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
     plan.add_argument("--device-memory", help="memory of one device (e.g. 80GiB): flags points that do not fit")
+    json_arg(plan)
 
     report = add("report", help="write figures and a ranked Markdown summary of a run or sweep")
     report.add_argument("results", help="results directory of an experiment, e.g. results/quickstart")
     report.add_argument("--out", help="where to write (default: the results directory)")
+    json_arg(report)
 
     check = add("check", help="validate an experiment (and its sweep block, as `sweep` would) and print it with "
                 "every default filled in")
     experiment_args(check)
+    json_arg(check)
 
     prep = add("data", help="prepare the experiment's data set into the cache")
     experiment_args(prep)
@@ -128,6 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--workers", help="worker counts, e.g. 1,2,4,8 (default: the sweep's, else the experiment's)")
     est.add_argument("--strategies", help="strategies, e.g. ddp,zero-3 (default: every strategy that can say)")
     est.add_argument("--device-memory", help="memory of one device (e.g. 80GiB): flags what does not fit")
+    json_arg(est)
 
     exp = add("export", help="write the plain model of a run's latest checkpoint")
     exp.add_argument("run_dir", help="results directory of a run (results/<experiment>) or a checkpoint")
@@ -155,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = _parser().parse_args(argv)
     try:
+        if getattr(args, "json", False):
+            return _as_json(args)
         return _dispatch(args)
     except UserError as e:
         print(f"raytrain-par: error: {e}", file=sys.stderr)
@@ -164,7 +179,59 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _dispatch(args) -> int:
+JSON_SCHEMA = 1  # raised when a key of a --json document changes meaning or goes; new keys keep it
+
+
+def _as_json(args) -> int:
+    """Run the command with everything it prints sent to stderr (file descriptor 1 as well: Ray and
+    the libraries it starts write there), then print its one JSON document on stdout. An error is a
+    document too, with the exit status 2, and its message on stderr as always."""
+    sys.stdout.flush()
+    saved, real = os.dup(1), sys.stdout
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        rc, doc = _dispatch(args)
+    except UserError as e:
+        print(f"raytrain-par: error: {e}", file=sys.stderr)
+        rc, doc = 2, {"error": str(e)}
+    finally:
+        sys.stdout.flush()
+        sys.stdout = real
+        os.dup2(saved, 1)
+        os.close(saved)
+    print(json.dumps({"schema": JSON_SCHEMA, "command": args.command, **_plain(doc)}, indent=1, allow_nan=False))
+    return rc
+
+
+def _plain(value):
+    """A value as JSON holds it: dataclasses and paths as their fields and text, NumPy numbers as
+    numbers, NaN and infinities (a point that never reaches the target) as null."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item") and callable(value.item):  # numpy and torch scalars
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _emit(args, text: str | None, doc: dict, rc: int = 0):
+    """What a command gives back: its text, printed here unless --json asked for the document."""
+    if not getattr(args, "json", False):
+        if text is not None:
+            print(text)
+        return rc
+    return rc, doc
+
+
+def _dispatch(args):
     from .config import load_experiment
 
     if args.command == "cluster":
@@ -172,9 +239,11 @@ def _dispatch(args) -> int:
     if args.command == "report":
         from .report import write_report
 
-        for f in write_report(args.results, args.out):
-            print(f"written {f}")
-        return 0
+        written = write_report(args.results, args.out)
+        return _emit(args, "\n".join(f"written {f}" for f in written),
+                     {"results": str(Path(args.results).resolve()), "files": [str(f) for f in written.files],
+                      "metric": written.metric, "target": written.target, "mode": written.mode,
+                      "trials": written.trials})
     if args.command == "reproduce":
         from .reproduce import main as reproduce
 
@@ -186,12 +255,18 @@ def _dispatch(args) -> int:
         return 0
     spec = load_experiment(args.experiment, args.overrides, check_data=args.command != "estimate")
     if args.command == "check":
+        from . import summary
+
+        swept = None
         if spec.sweep is not None:
             from .sweep import plan
 
-            plan(spec)  # the sweep block as `sweep` reads it: every trial it implies is a valid experiment
-        print(yaml.safe_dump(spec.to_dict(), sort_keys=False), end="")
-        return 0
+            # the sweep block as `sweep` reads it: every trial it implies is a valid experiment
+            swept = summary.sweep_summary(plan(spec), spec)
+        run = summary.run_summary(spec)
+        text = yaml.safe_dump(spec.to_dict(), sort_keys=False) + "\n".join(summary.lines(run, swept))
+        return _emit(args, text, {"source": str(Path(args.experiment).resolve()), "experiment": spec.to_dict(),
+                                  "summary": run, "sweep": swept})
     if args.command == "data":
         from . import data
 
@@ -264,6 +339,13 @@ def _estimate(spec, args) -> int:
     device_memory = estimate.parse_size(args.device_memory) if args.device_memory else None
     rows = estimate.estimate(spec, names, workers)
     params = rows[0].params if rows else 0
+    doc = {"experiment": spec.name, "model": spec.model.name, "parameters": params,
+           "optimizer": spec.train.optimizer, "precision": spec.train.precision,
+           "global_batch_size": spec.train.global_batch_size,
+           "activation_checkpointing": spec.train.activation_checkpointing, "device_memory_bytes": device_memory,
+           "rows": [estimate.row_document(r, device_memory) for r in rows]}
+    if getattr(args, "json", False):
+        return 0, doc
     print(f"{spec.name}: {spec.model.name}, {params / 1e6:.1f}M parameters, {spec.train.optimizer}, "
           f"{spec.train.precision}, global batch {spec.train.global_batch_size}"
           + (f", activation checkpointing {spec.train.activation_checkpointing}"
@@ -279,6 +361,9 @@ def _plan(spec, args) -> int:
 
     device_memory = estimate.parse_size(args.device_memory) if args.device_memory else None
     result = make_plan(spec, address=args.address, device_memory=device_memory)
+    if getattr(args, "json", False):
+        return 0, {"experiment": spec.name, "target": str(spec.target), "plan": str(result.path),
+                   "seconds": result.seconds, "notes": result.notes, "rows": result.rows}
     print("")
     print(plan_table(result.rows))
     best = result.rows[0]

@@ -234,6 +234,16 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
     return rows
 
 
+def row_document(r: Row, device_memory: int | None) -> dict:
+    """One row of `estimate --json`: bytes per worker, or why the layout cannot exist (`note`)."""
+    possible = not r.note
+    return {"strategy": r.strategy, "workers": r.workers, "possible": possible, "note": r.note or None,
+            **({"states_theory_bytes": r.theory, "states_expected_bytes": r.expected, "in_host_bytes": r.offloaded,
+                "activation_bytes": r.activations, "gathered_bytes": r.gathered, "per_worker_bytes": r.device_bytes,
+                "bytes_per_parameter": r.expected / r.params if r.params else None,
+                "fits": None if device_memory is None else r.device_bytes <= device_memory} if possible else {})}
+
+
 def table(rows: list[Row], device_memory: int | None) -> str:
     """Model states ("theory": the textbook bytes; "expected": what the implementation holds), the part
     of them in host memory (offload), activations, gathered whole units, and their device total."""

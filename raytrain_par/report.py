@@ -182,7 +182,20 @@ def provenance_text(results_dir: Path) -> str:
     return f"{source} Report written by `{cli_command()}`. {GENERATED_MARK}\n\n"
 
 
-def write_report(results_dir: str | Path, out: str | Path | None = None) -> list[Path]:
+class Report(list):
+    """What `write_report` wrote: the files (the list itself, in the order written), and the ranking
+    of the trials they show, on which metric, towards which target."""
+
+    def __init__(self, files: list[Path], metric: str, target: float | None, mode: str, trials: list[dict]):
+        super().__init__(files)
+        self.metric, self.target, self.mode, self.trials = metric, target, mode, trials
+
+    @property
+    def files(self) -> list[Path]:
+        return list(self)
+
+
+def write_report(results_dir: str | Path, out: str | Path | None = None) -> Report:
     results_dir = Path(results_dir)
     out = Path(out) if out else results_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -226,4 +239,4 @@ def write_report(results_dir: str | Path, out: str | Path | None = None) -> list
         "FLOPs per step over the training time, per worker, against the peak each record names; exposed comm: "
         "the share of a profiled step spent waiting for communication.\n\n"
         + "".join(f"![{f.stem}]({f.name})\n\n" for f in files))
-    return [*files, summary]
+    return Report([*files, summary], metric, target, mode, rows)

@@ -119,3 +119,96 @@ def test_unreadable_files_are_refused(tmp_path):
     f.write_bytes(bytes(range(256)))
     refused(raytrain_par("check", f), "experiment file")
     assert cli.main(["check", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_check_ends_with_what_would_run():
+    result = raytrain_par("check", REPO / "experiments" / "sweep-workers-batch.yaml")
+    assert result.returncode == 0, result.stderr
+    summary = [line for line in result.stdout.splitlines() if line.startswith("# ")]
+    raw = yaml.safe_load((REPO / "experiments" / "sweep-workers-batch.yaml").read_text())
+    t, grid = raw["train"], raw["sweep"]["grid"]
+    dp = raw["scaling"]["num_workers"]
+    assert summary[0].startswith(f"# workers: {dp} on cpu (gloo); layout: data {dp}")
+    assert f"global batch {t['global_batch_size']}, {t['global_batch_size'] // dp} per replica" in summary[1]
+    assert summary[2] == f"# steps: {t['max_steps']}"
+    evals = t["max_steps"] // t["eval_every_steps"] + 1  # and one before the first step
+    assert summary[3].startswith(f"# evaluations: {evals}; checkpoints: {evals - 1}")
+    trials = len(grid["scaling.num_workers"]) * len(grid["train.global_batch_size"])
+    assert summary[4].startswith(f"# sweep (grid): {trials} trial(s)")
+    assert yaml.safe_load(result.stdout)["name"] == raw["name"]  # the summary keeps it a YAML file
+
+
+@pytest.mark.parametrize("change,steps,epochs,evals,checkpoints", [
+    ({"epochs": 2}, 60, 2.0, 3, 2),  # one evaluation per epoch, one before the first step
+    ({"epochs": 3, "max_steps": 50, "eval_every_steps": 20, "checkpoint_every_evals": 2}, 50, 50 / 30, 4, 2),
+    ({"max_steps": 45, "eval_at_start": False, "checkpoint_every_evals": 0}, 45, 1.5, 2, 0),
+])
+def test_steps_epochs_evaluations_and_checkpoints_of_a_prepared_data_set(monkeypatch, change, steps, epochs,
+                                                                          evals, checkpoints):
+    from raytrain_par import data, summary
+    from raytrain_par.data.shards import DatasetInfo
+
+    monkeypatch.setattr(data, "cached", lambda spec, cache=None: DatasetInfo("kjv", "text", "", "", 32 * 30 + 5, 10))
+    raw = {**BASE, "train": {"global_batch_size": 32, "lr": 1e-3, **change}}
+    s = summary.run_summary(config.parse(raw))
+    assert (s["steps_per_epoch"], s["steps"], s["evaluations"], s["checkpoints"]) == (30, steps, evals, checkpoints)
+    assert s["epochs"] == pytest.approx(epochs)
+
+
+def test_a_pipeline_summary_counts_microbatches():
+    from raytrain_par import summary
+
+    raw = {**BASE, "strategy": {"name": "pipeline", "schedule": "1f1b", "microbatches": 4},
+           "train": {"global_batch_size": 32, "max_steps": 10, "lr": 1e-3, "gradient_accumulation_steps": 2}}
+    s = summary.run_summary(config.parse(raw))
+    assert s["layout"]["pipeline"] == 2 and s["rows_per_replica"] == 32 and s["rows_per_microbatch"] == 4
+
+
+def json_of(result):
+    assert "Traceback" not in result.stderr, result.stderr
+    import json
+
+    return json.loads(result.stdout)  # stdout holds the document and nothing else
+
+
+def test_check_json():
+    result = raytrain_par("check", REPO / "experiments" / "quickstart.yaml", "--json")
+    doc = json_of(result)
+    assert result.returncode == 0 and doc["schema"] == 1 and doc["command"] == "check"
+    assert doc["experiment"]["name"] == "quickstart" and doc["summary"]["layout"]["data"] == 2
+    assert doc["summary"]["steps"] == 200 and doc["sweep"] is None
+
+
+def test_json_errors_are_documents_too(tmp_path):
+    f = tmp_path / "e.yaml"
+    f.write_text(yaml.safe_dump({**BASE, "train": {"lr": -1}}))
+    result = raytrain_par("check", f, "--json")
+    doc = json_of(result)
+    assert result.returncode == 2 and "train.lr" in doc["error"] and "fix:" in result.stderr
+
+
+def test_estimate_json_gives_every_row_and_says_why_a_layout_cannot_exist():
+    result = raytrain_par("estimate", REPO / "experiments" / "quickstart.yaml", "--json", "--workers", "1,3",
+                          "--strategies", "ddp,zero-3", "--device-memory", "1GiB")
+    doc = json_of(result)
+    assert result.returncode == 0 and doc["command"] == "estimate" and doc["parameters"] > 1e6
+    rows = {(r["strategy"], r["workers"]): r for r in doc["rows"]}
+    assert set(rows) == {("ddp", 1), ("ddp", 3), ("zero-3", 1), ("zero-3", 3)}
+    one = rows["ddp", 1]
+    assert one["possible"] and one["states_theory_bytes"] == 16 * doc["parameters"] and one["fits"] is True
+    assert not rows["ddp", 3]["possible"] and "global_batch_size" in rows["ddp", 3]["note"]
+
+
+def test_report_json(tmp_path):
+    from raytrain_par.metrics.records import write_table
+
+    records = [{"experiment": "e", "trial": f"w{w}", "strategy": "ddp", "num_workers": w, "global_batch_size": 32,
+                "step": step, "epoch": step / 10, "wall_time_s": step * 2.0 / w, "samples_seen": 32 * step,
+                "step_time_s": 2.0 / w if step else None, "val_loss": 6 - step / 10,
+                "val_perplexity": 400 - 5 * step * w} for w in (1, 2) for step in (0, 10, 20)]
+    write_table(tmp_path / "metrics.parquet", records)
+    result = raytrain_par("report", tmp_path, "--out", tmp_path / "report", "--json")
+    doc = json_of(result)
+    assert result.returncode == 0 and doc["metric"] == "val_perplexity"
+    assert [t["trial"] for t in doc["trials"]] == ["w2", "w1"]  # the best perplexity first
+    assert all(Path(f).exists() for f in doc["files"]) and str(tmp_path / "report" / "summary.md") in doc["files"]
