@@ -177,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raytrain-par: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # not the user's input: a bug, said in one line unless asked for its traceback
+        if os.environ.get("RAYTRAIN_PAR_DEBUG"):
+            raise
+        print(f"raytrain-par: internal error: {type(e).__name__}: {e}\n  this is a bug in raytrain-par, not in "
+              "your input: please report it with the command and `raytrain-par --version`; RAYTRAIN_PAR_DEBUG=1 "
+              "prints where it happened", file=sys.stderr)
+        return 1
 
 
 JSON_SCHEMA = 1  # raised when a key of a --json document changes meaning or goes; new keys keep it
@@ -254,19 +261,19 @@ def _dispatch(args):
         export(args.run_dir, args.out)
         return 0
     spec = load_experiment(args.experiment, args.overrides, check_data=args.command != "estimate")
+    swept = None
+    if spec.sweep is not None:  # whatever the verb, a sweep block is read as `sweep` reads it
+        from .sweep import plan
+
+        swept = plan(spec)  # every trial it implies is a valid experiment, before Ray starts
     if args.command == "check":
         from . import summary
 
-        swept = None
-        if spec.sweep is not None:
-            from .sweep import plan
-
-            # the sweep block as `sweep` reads it: every trial it implies is a valid experiment
-            swept = summary.sweep_summary(plan(spec), spec)
+        sweep_summary = summary.sweep_summary(swept, spec) if swept else None
         run = summary.run_summary(spec)
-        text = yaml.safe_dump(spec.to_dict(), sort_keys=False) + "\n".join(summary.lines(run, swept))
+        text = yaml.safe_dump(spec.to_dict(), sort_keys=False) + "\n".join(summary.lines(run, sweep_summary))
         return _emit(args, text, {"source": str(Path(args.experiment).resolve()), "experiment": spec.to_dict(),
-                                  "summary": run, "sweep": swept})
+                                  "summary": run, "sweep": sweep_summary})
     if args.command == "data":
         from . import data
 
@@ -278,7 +285,8 @@ def _dispatch(args):
         from .sweep import plan
         from .tuning import run_sweep
 
-        plan(spec)  # every trial is validated before Ray starts
+        if swept is None:
+            plan(spec)  # says that there is no sweep block, and how to write one
         result = run_sweep(spec, address=args.address, resume=args.resume)
         return 1 if any(t["status"] == "failed" for t in result.trials) else 0
     if args.command == "estimate":

@@ -46,7 +46,8 @@ class Row:
     offloaded: float  # of which in host memory
     activations: float  # saved for the backward pass of one micro-batch
     gathered: float  # whole parameters of the units being computed (zero-3, fsdp)
-    note: str = ""
+    note: str = ""  # why the layout cannot exist: the row has no figures
+    remark: str = ""  # how the row was estimated where that differs from the experiment
 
     @property
     def device_bytes(self) -> float:
@@ -203,19 +204,25 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
             raw = spec.to_dict()
             raw["sweep"] = None
             raw["scaling"]["num_workers"] = w
+            remarks = []
             if name != spec.strategy.name:
                 raw["strategy"] = dict(swept.get(name, {"name": name}))
+                if name == "megatron" and "tensor_parallel" not in raw["strategy"]:
+                    # megatron has no default degree: every worker in the tensor-parallel group
+                    raw["strategy"]["tensor_parallel"] = w
+                    remarks.append(f"strategy.tensor_parallel = {w}")
             try:
-                s = config.parse(raw)
+                s = _parse_for_memory(raw, remarks)
             except ConfigError as e:
                 rows.append(Row(name, w, n, 0, 0, 0, 0, 0, note=f"not possible: {e.field} ({e.problem})"))
                 continue
+            remark = "; ".join(remarks)
             cls = strategies.engine_class(name, s.strategy.options)
             if cls.estimate_pipeline(s.strategy.options) is not None:
                 # the pipeline rank that holds the most, of its model states and activations together
                 r = max(pipeline_ranks(s, info), key=lambda r: r.device_bytes)
                 rows.append(Row(name, w, n, r.states.theory, r.states.expected, r.states.offloaded, r.activations,
-                                r.gathered))
+                                r.gathered, remark=remark))
                 continue
             # one worker's parameters before data-parallel sharding (its tensor-parallel shard)
             local = models.parameter_count_of(cls.estimate_inputs(*models.build_on_meta(spec.model, info),
@@ -230,14 +237,35 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
                 act_cache[key] = activation_bytes(spec.model, info, micro, s.train.precision,
                                                   s.train.activation_checkpointing, s.strategy)
             gathered = 2 * unit if name in ("zero-3", "fsdp") and s.layout.data > 1 else 0
-            rows.append(Row(name, w, n, est.theory, est.expected, est.offloaded, act_cache[key], gathered))
+            rows.append(Row(name, w, n, est.theory, est.expected, est.offloaded, act_cache[key], gathered,
+                            remark=remark))
     return rows
+
+
+# Settings a strategy may refuse that change nothing it holds in memory: a row is estimated with the
+# default instead, and says so (pipedream clips no gradient, but would hold the same bytes).
+MEMORY_NEUTRAL = ("train.grad_clip",)
+
+
+def _parse_for_memory(raw: dict, remarks: list[str]) -> config.ExperimentSpec:
+    for _ in MEMORY_NEUTRAL:
+        try:
+            return config.parse(raw)
+        except ConfigError as e:
+            if e.field not in MEMORY_NEUTRAL:
+                raise
+            section, key = e.field.split(".")
+            default = getattr(config.TrainSpec(), key)
+            raw[section][key] = default
+            remarks.append(f"as with {e.field} = {default!r}: {e.problem}")
+    return config.parse(raw)
 
 
 def row_document(r: Row, device_memory: int | None) -> dict:
     """One row of `estimate --json`: bytes per worker, or why the layout cannot exist (`note`)."""
     possible = not r.note
     return {"strategy": r.strategy, "workers": r.workers, "possible": possible, "note": r.note or None,
+            "remark": r.remark or None,
             **({"states_theory_bytes": r.theory, "states_expected_bytes": r.expected, "in_host_bytes": r.offloaded,
                 "activation_bytes": r.activations, "gathered_bytes": r.gathered, "per_worker_bytes": r.device_bytes,
                 "bytes_per_parameter": r.expected / r.params if r.params else None,
@@ -251,8 +279,9 @@ def table(rows: list[Row], device_memory: int | None) -> str:
             "per worker", "B/param", "fits"]
     out, notes = [], []
     for r in rows:
+        if r.note or r.remark:
+            notes.append(f"{r.strategy} on {r.workers} worker(s): {r.note or r.remark}")
         if r.note:
-            notes.append(f"{r.strategy} on {r.workers} worker(s): {r.note}")
             continue
         fits = "-" if device_memory is None else ("yes" if r.device_bytes <= device_memory else "NO")
         out.append([r.strategy, str(r.workers), size_text(r.theory), size_text(r.expected),

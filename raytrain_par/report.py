@@ -36,7 +36,12 @@ def load(results_dir: Path) -> tuple[list[dict], list[dict]]:
     if not metrics.exists():
         raise UserError(f"{results_dir}: no metrics.parquet here.\n  fix: give the directory of a run or sweep, "
                         "e.g. results/quickstart (written by `raytrain-par run` or `sweep`)")
-    records = read_records(metrics)
+    try:
+        records = read_records(metrics)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise UserError(f"{metrics}: not a records file raytrain-par can read ({type(e).__name__}: {e}).\n  fix: "
+                        "give the directory of a run or sweep whose metrics.parquet is whole (a run being written "
+                        "replaces it whole; a copied one may be cut short)") from None
     if not records:
         raise UserError(f"{metrics} holds no records yet; fix: let the run reach its first evaluation")
     trials_file = results_dir / "trials.parquet"

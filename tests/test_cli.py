@@ -130,7 +130,7 @@ def test_check_ends_with_what_would_run():
     dp = raw["scaling"]["num_workers"]
     assert summary[0].startswith(f"# workers: {dp} on cpu (gloo); layout: data {dp}")
     assert f"global batch {t['global_batch_size']}, {t['global_batch_size'] // dp} per replica" in summary[1]
-    assert summary[2] == f"# steps: {t['max_steps']}"
+    assert summary[2].split(",")[0] == f"# steps: {t['max_steps']}"  # and epochs, where the data set is prepared
     evals = t["max_steps"] // t["eval_every_steps"] + 1  # and one before the first step
     assert summary[3].startswith(f"# evaluations: {evals}; checkpoints: {evals - 1}")
     trials = len(grid["scaling.num_workers"]) * len(grid["train.global_batch_size"])
@@ -212,3 +212,25 @@ def test_report_json(tmp_path):
     assert result.returncode == 0 and doc["metric"] == "val_perplexity"
     assert [t["trial"] for t in doc["trials"]] == ["w2", "w1"]  # the best perplexity first
     assert all(Path(f).exists() for f in doc["files"]) and str(tmp_path / "report" / "summary.md") in doc["files"]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_estimate_answers_megatron_with_activation_checkpointing(mode):
+    result = raytrain_par("estimate", REPO / "experiments" / "megatron.yaml", "--json", "--strategies", "megatron,ddp",
+                          "--set", f"train.activation_checkpointing={mode}")
+    doc = json_of(result)
+    assert result.returncode == 0 and doc["activation_checkpointing"] == mode
+    plain = json_of(raytrain_par("estimate", REPO / "experiments" / "megatron.yaml", "--json", "--strategies",
+                                 "megatron,ddp"))
+    for row, before in zip(doc["rows"], plain["rows"]):
+        assert row["possible"] and 0 < row["activation_bytes"] < before["activation_bytes"]  # recomputed, not kept
+
+
+def test_estimate_gives_pipedreams_memory_whatever_the_clipping():
+    result = raytrain_par("estimate", REPO / "experiments" / "quickstart.yaml", "--json", "--workers", "2",
+                          "--strategies", "pipeline,pipedream,megatron", "--set", "train.grad_clip=1.0")
+    rows = {r["strategy"]: r for r in json_of(result)["rows"]}
+    assert rows["pipedream"]["possible"] and rows["pipedream"]["per_worker_bytes"] > 0
+    assert "train.grad_clip = 0.0" in rows["pipedream"]["remark"] and rows["pipeline"]["remark"] is None
+    # megatron has no default degree: the row says which it estimated
+    assert rows["megatron"]["possible"] and rows["megatron"]["remark"] == "strategy.tensor_parallel = 2"

@@ -95,7 +95,10 @@ def _as_in_forward(unit: nn.Module):
     """torch's `context_fn`, called as the forward pass starts: (context of the forward pass, context of
     the recomputation). The recomputation runs with the parameters and random streams found now."""
     params = [(m._parameters, name, p) for m in unit.modules() for name, p in m._parameters.items()]
-    streams = [(s, s.state.clone()) for m in unit.modules() for attr in RNG_STREAMS
+    # A stream's state is replaced, never changed in place (ParallelRNG.fork), so keeping the tensor
+    # keeps the state. Not a clone: under `estimate`'s FakeTensorMode the state stays a real tensor,
+    # which fake mode refuses to copy.
+    streams = [(s, s.state) for m in unit.modules() for attr in RNG_STREAMS
                if (s := getattr(m, attr, None)) is not None]
     return contextlib.nullcontext(), _Restored(params, streams)
 
@@ -114,7 +117,7 @@ class _Restored:
         for holder, name, p in self.params:
             holder[name] = p
         for s, state in self.streams:
-            s.state = state.clone()
+            s.state = state
 
     def __exit__(self, *exc):
         params_now, streams_now = self.now.pop()
