@@ -8,12 +8,15 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-DOCS = HERE.parent / "docs"
-README = HERE.parent / "README.md"
+# The benchmarks run from the repository's root (`python benchmarks/NAME.py`, as `make bench` does):
+# their pages go to its docs/, their JSON to its benchmarks/results/, and where the package is not
+# installed, its raytrain_par/ is imported.
+REPO = Path.cwd()
+RESULTS = REPO / "benchmarks" / "results"
+DOCS = REPO / "docs"
+README = REPO / "README.md"
 
-sys.path.insert(0, str(HERE.parent))  # this checkout's package, installed or not
+sys.path.insert(0, str(REPO))
 from raytrain_par.provenance import commit, machine, machine_device, machine_text, provenance  # noqa: E402,F401
 from raytrain_par.tables import markdown_table, text_table  # noqa: E402,F401
 from raytrain_par.provenance import write_page as provenance_page  # noqa: E402

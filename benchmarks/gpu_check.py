@@ -75,9 +75,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for _path in (str(REPO), str(HERE)):  # this checkout's package and benchmarks/common.py, installed or not
+HERE = Path(__file__).resolve().parent  # benchmarks/common.py beside it
+REPO = Path.cwd()  # run from the repository's root, as every benchmark
+for _path in (str(REPO), str(HERE)):  # the checkout's package (installed or not) and benchmarks/common.py
     if _path not in sys.path:
         sys.path.insert(0, _path)
 

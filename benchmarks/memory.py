@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path.cwd()  # run from the repository's root, as every benchmark (benchmarks/common.py)
 sys.path.insert(0, str(REPO))
 
 from common import markdown_table, write_json, write_page  # noqa: E402
@@ -77,7 +77,7 @@ def measure(spec_dict: dict, info: dict, world: int, steps: int) -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", default=str(REPO / "experiments" / "zero-memory.yaml"))
+    p.add_argument("--experiment", default="experiments/zero-memory.yaml")
     p.add_argument("--strategies", help="default: the experiment's sweep")
     p.add_argument("--workers", help="e.g. 1,2,4 (default: the experiment's sweep)")
     p.add_argument("--precisions", help="fp32,bf16 (default: the experiment's sweep)")

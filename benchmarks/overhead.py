@@ -243,7 +243,7 @@ def cpu_while(run, started, seconds: float) -> dict[str, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", default=str(HERE.parent / "experiments" / "quickstart.yaml"))
+    p.add_argument("--experiment", default="experiments/quickstart.yaml")
     p.add_argument("--strategies", default=",".join(BASELINES))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=5)

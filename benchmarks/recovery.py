@@ -44,7 +44,6 @@ from raytrain_par.config import load_experiment
 from raytrain_par.driver import run_experiment, start_local_cluster, worker_env
 from raytrain_par.metrics.records import read_records
 
-HERE = Path(__file__).resolve().parent
 
 # The strategy block of each measured strategy (on the default 2 workers).
 STRATEGIES = {
@@ -247,7 +246,7 @@ def measure_elastic(a, work: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", default=str(HERE.parent / "experiments" / "quickstart.yaml"))
+    p.add_argument("--experiment", default="experiments/quickstart.yaml")
     p.add_argument("--strategies", default="ddp,zero-3,megatron,pipeline",
                    help=f"comma-separated, of: {', '.join(STRATEGIES)}")
     p.add_argument("--workers", type=int, default=2)

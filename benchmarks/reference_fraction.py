@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import tempfile
-from pathlib import Path
 
 from common import markdown_table, print_table, provenance, write_json, write_page
 
@@ -38,7 +37,6 @@ from raytrain_par.metrics.goodput import fit_reference
 from raytrain_par.metrics.records import read_records
 from raytrain_par.sweep import check_goodput, plan
 
-HERE = Path(__file__).resolve().parent
 FRACTIONS = (0.25, 0.5, 0.75, 0.9, 0.95, 1.0)
 PAGE = "goodput-reference"
 
@@ -103,7 +101,7 @@ def _conclusion(rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", default=str(HERE.parent / "experiments" / "goodput-search.yaml"))
+    p.add_argument("--experiment", default="experiments/goodput-search.yaml")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="experiment override")
     p.add_argument("--records", help="an earlier reference run's metrics.parquet: analyse it without training")
     p.add_argument("--out", help="JSON file (default benchmarks/results/reference_fraction.json)")

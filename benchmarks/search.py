@@ -34,7 +34,6 @@ from raytrain_par.report import _predicted_vs_measured
 from raytrain_par.sweep import describe, plan
 from raytrain_par.tuning import run_sweep
 
-HERE = Path(__file__).resolve().parent
 PICK_WITHIN, TIME_SHARE = 0.10, 1 / 3
 PAGE = "goodput-search"
 
@@ -54,7 +53,7 @@ def sweep(spec, search: str, work: Path, overrides: list[str], experiment: str) 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experiment", default=str(HERE.parent / "experiments" / "goodput-search.yaml"))
+    p.add_argument("--experiment", default="experiments/goodput-search.yaml")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="experiment override")
     p.add_argument("--out", help="JSON file (default benchmarks/results/search.json)")
     p.add_argument("--page", help="Markdown page (default docs/goodput-search.md, and README.md's line)")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path.cwd()))  # run from the repository's root, as every benchmark (benchmarks/common.py)
 
 from raytrain_par import config, data, models, strategies  # noqa: E402
 from raytrain_par.models import gpt2  # noqa: E402

@@ -152,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--list", action="store_true", help="name the findings, what each runs and how long it took here")
     rep.add_argument("--paper", action="store_true", help="the study's sizes (experiments/paper/), for a GPU cluster")
     rep.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
-    rep.add_argument("--out", help="where the pages go (default: docs/results, docs/results/paper with --paper)")
+    rep.add_argument("--out", help="where the pages go (default: docs/results where the current directory has "
+                     "one, as a checkout does, else reproduce/; their paper/ with --paper)")
     rep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a field of every finding's experiment, e.g. --set data.path=/data/wikitext-103")
     return p

@@ -24,6 +24,7 @@ import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Callable
 
@@ -33,8 +34,12 @@ from .provenance import commit as provenance_commit, provenance, write_page
 from .tables import markdown_table
 from .sweep import describe, plan
 
-REPO = Path(__file__).resolve().parent.parent
-EXPERIMENTS = REPO / "experiments"
+# The experiments are package data (a checkout's experiments/ links here): found installed or not.
+EXPERIMENTS = Path(str(resources.files(__package__) / "experiments"))
+# Where the pages go without --out: a checkout's docs/results where the current directory holds one
+# (the published pages), else a directory of their own under the current directory.
+DEFAULT_OUT = "docs/results"
+ELSEWHERE_OUT = "reproduce"
 RESULTS = "results/reproduce"  # records of every finding's sweep, under <RESULTS>/<finding>/
 # Model states per worker, relative to data parallel's, that the study measured for ZeRO (the cut).
 STUDY_ZERO_CUT = (0.42, 0.66)
@@ -431,8 +436,8 @@ def plan_finding(finding: Finding, paper: bool = False, overrides: list[str] | N
     setting = finding.paper if paper else finding.cpu
     path = EXPERIMENTS / setting.experiment
     if not path.is_file():
-        raise UserError(f"reproduce {finding.name}: {path} is missing.\n  fix: run from a checkout of the repository "
-                        "(the findings run its experiments/ files)")
+        raise UserError(f"reproduce {finding.name}: {path} is missing from the installed package.\n  fix: reinstall "
+                        "raytrain-par (pip install --force-reinstall raytrain-par, or pip install -e . in a checkout)")
     every = [*setting.overrides, f"name={finding.name}", f"output_dir={RESULTS}", *(overrides or [])]
     # Paper-sized data lives on the cluster (data.path): it is checked there, not here.
     spec = load_experiment(path, every, check_data=not paper)
@@ -551,7 +556,7 @@ def write_finding(pl: Planned, records: list[dict], trials: list[dict], out: Pat
         body.append(f"Trials that failed (their records are missing above): {', '.join(failed)}.")
     body += [*(f"![{Path(n).stem}]({n})" for n in figures),
              "## How it ran",
-             f"`{pl.experiment.relative_to(REPO)}` with these overrides (then `name`, `output_dir`"
+             f"`{shown(pl.experiment)}` with these overrides (then `name`, `output_dir`"
              f"{' and the command line' if len(pl.overrides) > len(pl.setting.overrides) + 2 else ''}), one trial "
              f"at a time through `raytrain-par sweep`'s Ray Tune path: {len(trials)} trials in {minutes:.1f} minutes "
              f"of wall-clock time, records in `{_shown(pl.spec.results_dir)}`.",
@@ -592,7 +597,17 @@ _RUN = re.compile(r"Written by `[^`]*` on (?P<date>\S+) [^,]*, commit `(?P<commi
 _TOOK = re.compile(r"(?P<trials>\d+) trials in (?P<minutes>[\d.]+) minutes of wall-clock time")
 
 
-def last_run(name: str, out: Path = REPO / "docs" / "results") -> str:
+def shown(experiment: Path) -> str:
+    """An experiment's name as a user finds it: experiments/..., in a checkout and in the package."""
+    return f"experiments/{experiment.relative_to(EXPERIMENTS).as_posix()}"
+
+
+def default_out(paper: bool) -> Path:
+    base = Path(DEFAULT_OUT) if Path(DEFAULT_OUT).is_dir() else Path(ELSEWHERE_OUT)
+    return base / "paper" if paper else base
+
+
+def last_run(name: str, out: Path) -> str:
     """How long the finding took when its page in `out` was written, read off that page (the run
     wrote both figures): 'N min (machine, date, commit)', or that it has not run there."""
     page = out / name / "index.md"
@@ -603,26 +618,26 @@ def last_run(name: str, out: Path = REPO / "docs" / "results") -> str:
     return f"{float(took['minutes']):.0f} min ({run['machine']}, {run['date']}, commit {run['commit']})"
 
 
-def list_text() -> str:
-    rows = [[f.name, f.runs, last_run(f.name), f"experiments/{f.paper.experiment}"] for f in FINDINGS.values()]
-    head = ["finding", "runs (CPU-sized)", "took (docs/results/)", "--paper"]
+def list_text(out: Path) -> str:
+    rows = [[f.name, f.runs, last_run(f.name, out), f"experiments/{f.paper.experiment}"] for f in FINDINGS.values()]
+    head = ["finding", "runs (CPU-sized)", f"took ({out}/)", "--paper"]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *rows])
 
 
 def main(args, log=say) -> int:
+    out = Path(args.out) if args.out else default_out(args.paper)
     if args.list:
-        log(list_text())
+        log(list_text(out))
         return 0
     findings = find(args.findings)
     planned = [plan_finding(f, args.paper, args.overrides) for f in findings]
     if args.paper or args.address:
         check_cluster(planned, args.address)
-    out = Path(args.out or ("docs/results/paper" if args.paper else "docs/results"))
     started_from = provenance_commit()  # before any finding writes its page
     outcomes = []
     for pl in planned:
-        log(f"reproduce {pl.finding.name}: {len(pl.trials)} trial(s) of {pl.experiment.relative_to(REPO)}")
+        log(f"reproduce {pl.finding.name}: {len(pl.trials)} trial(s) of {shown(pl.experiment)}")
         page, verdict, minutes = run_finding(pl, out, args.address, log=log, commit=started_from)
         outcomes.append((pl.finding.name, verdict.outcome, minutes, page))
     log("")

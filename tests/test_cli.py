@@ -2,6 +2,7 @@
 YAML would accept silently (a key given twice, a target pointing the wrong way) refused with the field,
 the value and the fix, and never a traceback."""
 
+import json
 import os
 import subprocess
 import sys
@@ -63,13 +64,13 @@ def test_check_prints_the_paths_resolved(tmp_path):
         {**BASE, "model": {"name": "causal-lm", "config": str(os.path.relpath(LLAMA, tmp_path / "exp"))}}))
     result = raytrain_par("check", "exp/llama.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert yaml.safe_load(result.stdout)["model"]["config"] == str(LLAMA)
+    assert Path(yaml.safe_load(result.stdout)["model"]["config"]) == LLAMA.resolve()
 
 
 def test_the_shipped_llama_experiment_runs_check_from_another_directory(tmp_path):
     result = raytrain_par("check", REPO / "experiments" / "llama-tiny.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert yaml.safe_load(result.stdout)["model"]["config"] == str(LLAMA)
+    assert Path(yaml.safe_load(result.stdout)["model"]["config"]) == LLAMA.resolve()
 
 
 def test_version():
@@ -234,3 +235,43 @@ def test_estimate_gives_pipedreams_memory_whatever_the_clipping():
     assert "train.grad_clip = 0.0" in rows["pipedream"]["remark"] and rows["pipeline"]["remark"] is None
     # megatron has no default degree: the row says which it estimated
     assert rows["megatron"]["possible"] and rows["megatron"]["remark"] == "strategy.tensor_parallel = 2"
+
+
+def test_an_installed_wheel_runs_version_check_and_reproduce(tmp_path):
+    """The wheel holds the package alone: its experiments are package data, found without a checkout."""
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "wheel"),
+                            str(REPO)], capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = (tmp_path / "wheel").glob("raytrain_par-*.whl")
+    site = tmp_path / "site"
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
+                                str(wheel)], capture_output=True, text=True, timeout=600)
+    assert installed.returncode == 0, installed.stderr
+    away = tmp_path / "away"  # no checkout here: nothing to find by accident
+    away.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+
+    def cli_(*args):
+        return subprocess.run([sys.executable, "-m", "raytrain_par.cli", *map(str, args)], cwd=away, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    where = subprocess.run([sys.executable, "-c", "import raytrain_par; print(raytrain_par.__file__)"], cwd=away,
+                           env=env, capture_output=True, text=True)
+    assert where.stdout.startswith(str(site)), where.stdout  # the wheel's package, not the checkout's
+    assert cli_("--version").stdout.startswith("raytrain-par ")
+    packaged = site / "raytrain_par" / "experiments"
+    checked = cli_("check", packaged / "llama-tiny.yaml", "--json")
+    assert checked.returncode == 0, checked.stderr
+    assert Path(json.loads(checked.stdout)["experiment"]["model"]["config"]) == (packaged / "models" / "llama-tiny").resolve()
+    listed = cli_("reproduce", "--list")
+    assert listed.returncode == 0 and "took (reproduce/)" in listed.stdout, listed.stderr
+    from raytrain_par import reproduce
+
+    assert all(name in listed.stdout for name in reproduce.FINDINGS)
+    planned = subprocess.run([sys.executable, "-c", "from raytrain_par import reproduce\n"
+                              "for f in reproduce.FINDINGS.values():\n"
+                              "    for paper in (False, True):\n"
+                              "        print(reproduce.shown(reproduce.plan_finding(f, paper).experiment))"],
+                             cwd=away, env=env, capture_output=True, text=True, timeout=300)
+    assert planned.returncode == 0, planned.stderr
+    assert len(planned.stdout.split()) == 2 * len(reproduce.FINDINGS)
