@@ -275,3 +275,26 @@ def test_an_installed_wheel_runs_version_check_and_reproduce(tmp_path):
                              cwd=away, env=env, capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0, planned.stderr
     assert len(planned.stdout.split()) == 2 * len(reproduce.FINDINGS)
+
+
+def test_plan_json_keeps_stdout_for_the_document(monkeypatch, capfd):
+    """What plan prints while it trains (its own lines, Ray's, a library's writing to file descriptor 1)
+    goes to stderr; stdout holds the document, a point that never reaches the target as null."""
+    import math
+
+    from raytrain_par import goodput
+
+    def make_plan(spec, address=None, device_memory=None):
+        print("reference run: training to the target")
+        os.write(1, b"(TrainController pid=1) a line Ray writes\n")
+        rows = [{"trial": "b16", "predicted_time_to_target_s": 12.5, "fits": None},
+                {"trial": "b8", "predicted_time_to_target_s": math.inf, "fits": None}]
+        return goodput.GoodputPlan(rows, None, None, notes=["a note"], path=Path("/r/plan.parquet"), seconds=3.0)
+
+    monkeypatch.setattr(goodput, "make_plan", make_plan)
+    assert cli.main(["plan", str(REPO / "experiments" / "goodput-search.yaml"), "--json"]) == 0
+    out, err = capfd.readouterr()
+    doc = json.loads(out)
+    assert doc["command"] == "plan" and doc["plan"] == "/r/plan.parquet" and doc["notes"] == ["a note"]
+    assert [r["predicted_time_to_target_s"] for r in doc["rows"]] == [12.5, None]
+    assert "reference run" in err and "a line Ray writes" in err
