@@ -117,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     report = add("report", help="write figures and a ranked Markdown summary of a run or sweep")
     report.add_argument("results", help="results directory of an experiment, e.g. results/quickstart")
     report.add_argument("--out", help="where to write (default: the results directory)")
+    report.add_argument("--to-mlflow", metavar="URI", help="also push every record, the summary and the figures "
+                        "to this MLflow tracking server (new MLflow runs in an experiment of the run's name)")
     json_arg(report)
 
     check = add("check", help="validate an experiment (and its sweep block, as `sweep` would) and print it with "
@@ -248,6 +250,8 @@ def _dispatch(args):
         from .report import write_report
 
         written = write_report(args.results, args.out)
+        if args.to_mlflow:
+            _push_to_mlflow(Path(args.results), args.to_mlflow)
         return _emit(args, "\n".join(f"written {f}" for f in written),
                      {"results": str(Path(args.results).resolve()), "files": [str(f) for f in written.files],
                       "metric": written.metric, "target": written.target, "mode": written.mode,
@@ -298,6 +302,20 @@ def _dispatch(args):
 
     result = run_experiment(spec, address=args.address, resume=args.resume)
     return 1 if result.error is not None else 0
+
+
+def _push_to_mlflow(results: Path, uri: str) -> None:
+    from .tracking import MLflowSpec, TrackingSpec, missing_package, push_results
+
+    if missing_package("mlflow"):
+        raise UserError(f"--to-mlflow {uri}: the mlflow package is not installed.\n  fix: pip install "
+                        "'raytrain-par[mlflow]' (or pip install mlflow)")
+    failures = []
+    pushed = push_results(results, TrackingSpec(mlflow=MLflowSpec(tracking_uri=uri)), warn=failures.append)
+    if failures:
+        raise UserError(f"--to-mlflow {uri}: {failures[0].removeprefix('raytrain-par: warning: ')}\n  fix: start "
+                        f"the server (mlflow server --backend-store-uri sqlite:///mlflow.db) or correct the URI")
+    print(f"pushed {sum(1 for _ in pushed.state.get('mlflow', {}))} MLflow run(s) to {uri}", file=sys.stderr)
 
 
 def _cluster_validate(files: list[str], experiments: list[str]) -> int:

@@ -29,13 +29,17 @@ import yaml
 from . import data as data_sets
 from . import models, strategies
 from .errors import ConfigError
+from .tracking import TrackingSpec
 
 DEFAULT_VOCAB_SIZE = 8192
-TOP_LEVEL = ("name", "model", "data", "strategy", "scaling", "train", "target", "output_dir", "sweep")
-# Fields that name files or directories. A relative one is resolved against the directory of the
+TOP_LEVEL = ("name", "model", "data", "strategy", "scaling", "train", "target", "output_dir", "sweep", "tracking")
+# Fields that name files a run reads. A relative one is resolved against the directory of the
 # experiment file that holds it (as a `model.config` beside the file is meant), one given by `--set`
 # against the current directory (as a path typed in a shell is meant); workers are given absolute paths.
-PATH_FIELDS = ("model.config", "data.path", "data.tokenizer", "data.cache_dir", "output_dir")
+# Where a run writes (output_dir, a tracker's log_dir) stays relative to the directory the command runs
+# in, as Ray Train's storage path: inside a Ray job, place_results moves a relative output_dir out of the
+# job's temporary working directory.
+PATH_FIELDS = ("model.config", "data.path", "data.tokenizer", "data.cache_dir")
 
 
 @dataclass
@@ -229,6 +233,8 @@ class ExperimentSpec:
     output_dir: str = "results"
     # Search space of `raytrain-par sweep` (field path -> values); `run` trains the file's own values.
     sweep: Optional[dict] = None
+    # Trackers every evaluation is logged to (tracking.py): mlflow, tensorboard, wandb
+    tracking: Optional[TrackingSpec] = None
 
     # -- derived quantities --------------------------------------------------------------------
     @property
@@ -508,6 +514,14 @@ def validate(spec: ExperimentSpec) -> None:
     else:
         _validate_layout(spec)
 
+    if spec.tracking is not None:
+        from .tracking import missing_package
+
+        for name in spec.tracking.configured():
+            missing = missing_package(name)
+            _check(missing is None, f"tracking.{name}", dataclasses.asdict(getattr(spec.tracking, name)),
+                   f"the {missing} package is not installed", f"pip install 'raytrain-par[{name}]' (or pip install "
+                   f"{missing}), or remove tracking.{name}")
     if spec.target is not None:
         metrics = models.task_metrics(m.name)
         _check(spec.target.metric in metrics, "target.metric", spec.target.metric,
@@ -691,8 +705,8 @@ def _resolve_sweep(sweep: dict, base: Path) -> dict:
 
 
 def _absolute(value, base: Path):
-    if not isinstance(value, str) or not value.strip() or "://" in value:
-        return value  # not a path: validate() names what is wrong with it
+    if not isinstance(value, str) or not value.strip() or re.match(r"[A-Za-z][A-Za-z0-9+.-]*:", value):
+        return value  # not a path (or a URI: sqlite:///x.db, http://host): validate() names what is wrong
     path = os.path.expanduser(value)
     return path if os.path.isabs(path) else os.path.normpath(os.path.join(base, path))
 

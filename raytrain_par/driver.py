@@ -29,6 +29,7 @@ from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from . import data as data_sets
+from . import tracking
 from .config import ExperimentSpec
 from .data.shards import DatasetInfo
 from .errors import ConfigError, UserError
@@ -435,6 +436,17 @@ def make_trainer(spec: ExperimentSpec, info: DatasetInfo, storage: Path, name: s
     )
 
 
+def tracked_figures(results: Path) -> list[Path]:
+    """The report's figures of a run or sweep, for its trackers (written beside its records)."""
+    from .report import write_report
+
+    try:
+        return [f for f in write_report(results) if f.suffix == ".png"]
+    except Exception as e:  # the records are complete whatever the figures do; say why there are none
+        print(f"raytrain-par: warning: no figures for the trackers ({type(e).__name__}: {e})", file=sys.stderr)
+        return []
+
+
 def _workers_text(s) -> str:
     return f"{s.min_workers} to {s.num_workers} (elastic)" if s.elastic else str(s.num_workers)
 
@@ -451,19 +463,24 @@ def run_experiment(spec: ExperimentSpec, address: str | None = None, resume: boo
         f"({spec.per_worker_batch} per data-parallel worker); results in {results}")
     t0 = time.perf_counter()
     error = None
+    trackers = tracking.for_run(spec, results)
     with ray_cluster(spec, address, log=log):
         trainer = make_trainer(spec, info, results, callbacks=[RecordCallback(str(metrics_path))])
-        try:
-            trainer.fit()
-        except (ray.train.TrainingFailedError, ray.train.ControllerError) as e:
-            error = e
+        with tracking.Follow(trackers, metrics_path) if trackers else nullcontext():
+            try:
+                trainer.fit()
+            except (ray.train.TrainingFailedError, ray.train.ControllerError) as e:
+                error = e
     records = read_records(metrics_path) if metrics_path.exists() else []
+    row = None
     if records:
         t = spec.target
         row = summarize(records, t.metric if t else "val_loss", t.value if t else None, t.mode if t else "min")
         row.update({"lr": spec.train.lr, "status": "failed" if error else "completed",
                     "error": str(error) if error else None})
         write_table(results / "trials.parquet", [row])
+    if trackers:
+        trackers.close({"run": row or {}}, tracked_figures(results) if records else [], failed=error is not None)
     log("")
     log(table(records))
     if spec.target is not None:

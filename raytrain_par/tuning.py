@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +22,9 @@ from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 
 from . import data as data_sets
+from . import tracking
 from .config import ExperimentSpec
-from .driver import make_trainer, preflight, prepare_results_dir, ray_cluster
+from .driver import make_trainer, preflight, prepare_results_dir, ray_cluster, tracked_figures
 from .errors import say
 from .metrics.efficiency import rank, summarize, workers_text
 from .metrics.records import RecordWriter, merge, progress_line, read_records, write_table
@@ -130,6 +132,8 @@ def run_sweep(spec: ExperimentSpec, address: str | None = None, resume: bool = F
     # The embedded cluster is sized for the largest trial.
     biggest = max((p.trial_spec(pt) for pt in p.points), key=lambda s: s.scaling.num_workers)
     recorder = SweepRecorder(results / "metrics.parquet", log=log)
+    trackers = tracking.for_sweep(spec, p, results, lambda name: next(
+        t["overrides"] for t in recorder.trials.values() if t["name"] == name))
     with ray_cluster(biggest, address, log=log):
         n = concurrency(p)
         scheduler = None
@@ -167,13 +171,16 @@ def run_sweep(spec: ExperimentSpec, address: str | None = None, resume: bool = F
             tuner = tune.Tuner.restore(str(results / "tune"), trainable=tune.with_resources(
                 tune.with_parameters(_trial, base=p.base, sweep=p.sweep, storage=str(storage)), {"CPU": 0.001}),
                 resume_errored=True)
-        tuner.fit()
+        with tracking.Follow(trackers, results / "metrics.parquet") if trackers else nullcontext():
+            tuner.fit()
     records = read_records(results / "metrics.parquet") if (results / "metrics.parquet").exists() else []
     rows = [_trial_row(p, t, [r for r in records if r["trial"] == t["name"]]) for t in recorder.trials.values()]
     if goodput:
         rows = goodput.rows(rows, recorder.trials)
     rows = rank(rows, p.mode)
     path = write_table(results / "trials.parquet", rows)
+    if trackers:
+        trackers.close({r["trial"]: r for r in rows}, tracked_figures(results) if records else [])
     log("")
     log(trials_table(rows))
     log(f"{len(rows)} trials in {path}; records in {results / 'metrics.parquet'}")

@@ -40,7 +40,7 @@ def test_paths_in_the_file_are_read_from_the_files_directory(tmp_path, monkeypat
     raw = {**BASE, "model": {"name": "causal-lm", "config": "models"},
            "data": {"name": "text", "path": "corpus/*.jsonl", "tokenizer": "../tok", "cache_dir": "~/c"},
            "output_dir": "out",
-           "sweep": {"grid": {"data.path": ["a/*.txt", "/abs/*.txt"]}, "cases": [{"output_dir": "o2"}]}}
+           "sweep": {"grid": {"data.path": ["a/*.txt", "/abs/*.txt"]}, "cases": [{"data.tokenizer": "t2"}]}}
     (exp / "x.yaml").write_text(yaml.safe_dump(raw))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -50,12 +50,12 @@ def test_paths_in_the_file_are_read_from_the_files_directory(tmp_path, monkeypat
     assert spec.data.path == str(exp / "corpus" / "*.jsonl")
     assert spec.data.tokenizer == str(tmp_path / "tok")
     assert spec.data.cache_dir == os.path.expanduser("~/c")
-    assert spec.output_dir == str(exp / "out")
+    assert spec.output_dir == "out"  # where results go: from where the command runs (a Ray job moves it)
     assert spec.sweep["grid"]["data.path"] == [str(exp / "a" / "*.txt"), "/abs/*.txt"]
-    assert spec.sweep["cases"] == [{"output_dir": str(exp / "o2")}]
+    assert spec.sweep["cases"] == [{"data.tokenizer": str(exp / "t2")}]
     # --set is typed in a shell: relative to the current directory
-    spec = config.load_experiment("../exp/x.yaml", ["data.path=mine/*.txt", "output_dir=res"], check_data=False)
-    assert spec.data.path == str(elsewhere / "mine" / "*.txt") and spec.output_dir == str(elsewhere / "res")
+    spec = config.load_experiment("../exp/x.yaml", ["data.path=mine/*.txt", "data.tokenizer=tok"], check_data=False)
+    assert spec.data.path == str(elsewhere / "mine" / "*.txt") and spec.data.tokenizer == str(elsewhere / "tok")
 
 
 def test_check_prints_the_paths_resolved(tmp_path):

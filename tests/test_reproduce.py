@@ -1,8 +1,6 @@
 """`raytrain-par reproduce`: the list, bad input refused before anything starts, what each finding
 would run (planned, not run), and one finding end to end on the session's Ray cluster."""
 
-from pathlib import Path
-
 import pytest
 
 from raytrain_par import cli, reproduce
@@ -72,7 +70,7 @@ def test_identical_curves_plans_every_data_parallel_strategy_on_one_batch():
     assert pl.experiment.name == "strategies.yaml" and pl.spec.name == "identical-curves"
     assert [t[0] for t in trials] == ["ddp", "zero-1", "zero-2", "zero-3", "fsdp"]
     assert {t[2:] for t in trials} == {(2, 32, 30)}
-    assert pl.spec.sweep["max_concurrent_trials"] == 1 and pl.spec.output_dir == str(Path(reproduce.RESULTS).resolve())
+    assert pl.spec.sweep["max_concurrent_trials"] == 1 and pl.spec.output_dir == reproduce.RESULTS
     assert pl.command == "raytrain-par reproduce identical-curves"
     pl, trials = _trials("identical-curves", paper=True)
     assert pl.experiment.name == "strategies-gpt2-medium.yaml" and {t[2:4] for t in trials} == {(8, 256)}
