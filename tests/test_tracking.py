@@ -283,3 +283,34 @@ def test_a_run_and_a_sweep_through_ray_reach_their_trackers(ray_cluster, mlflow_
         assert tensorboard_scalars(results / "tensorboard" / trial)["val_loss"] == pytest.approx(
             {r["step"]: r["val_loss"] for r in records if r["trial"] == trial})
     assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.ray
+def test_a_resumed_run_continues_its_tracker_run_and_a_dead_server_costs_one_line(ray_cluster, mlflow_server,
+                                                                                  tmp_path, capsys):
+    """`run --resume` appends to the MLflow run it started; a run whose MLflow server is down ends with
+    all its records, one warning line, and its other trackers complete."""
+    f = tmp_path / "tracked.yaml"
+    f.write_text(yaml.safe_dump({**TINY, "output_dir": str(tmp_path),
+                                 "tracking": {"mlflow": {"tracking_uri": mlflow_server, "experiment_name": "resume"}}}))
+    assert cli.main(["run", str(f)]) == 0
+    results = tmp_path / "tracked"
+    run_id = json.loads((results / "tracking.json").read_text())["mlflow"]["run"]
+    assert cli.main(["run", str(f), "--resume", "--set", "train.max_steps=9"]) == 0
+    assert json.loads((results / "tracking.json").read_text())["mlflow"]["run"] == run_id
+    records = read_records(results / "metrics.parquet")
+    assert [r["step"] for r in records] == [0, 3, 6, 9]
+    assert mlflow_history(mlflow_server, run_id, "val_loss") == {r["step"]: pytest.approx(r["val_loss"])
+                                                                 for r in records}
+    client = mlflow.MlflowClient(mlflow_server)
+    assert len(client.search_runs([client.get_experiment_by_name("resume").experiment_id])) == 1
+    capsys.readouterr()
+
+    f.write_text(yaml.safe_dump({**TINY, "name": "down", "output_dir": str(tmp_path), "tracking": {
+        "mlflow": {"tracking_uri": f"http://127.0.0.1:{free_port()}"}, "tensorboard": {}}}))
+    assert cli.main(["run", str(f)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("tracking to mlflow failed") == 1, err
+    records = read_records(tmp_path / "down" / "metrics.parquet")
+    assert [r["step"] for r in records] == [0, 3, 6]
+    assert tensorboard_scalars(tmp_path / "down" / "tensorboard")["val_loss"].keys() == {0, 3, 6}
