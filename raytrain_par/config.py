@@ -40,6 +40,8 @@ TOP_LEVEL = ("name", "model", "data", "strategy", "scaling", "train", "target", 
 # in, as Ray Train's storage path: inside a Ray job, place_results moves a relative output_dir out of the
 # job's temporary working directory.
 PATH_FIELDS = ("model.config", "data.path", "data.tokenizer", "data.cache_dir")
+# A directory or a Hugging Face hub id ("org/name"): a path where one exists there, else left as given.
+PATH_OR_NAME_FIELDS = ("model.pretrained",)
 
 
 @dataclass
@@ -436,6 +438,10 @@ def validate(spec: ExperimentSpec) -> None:
     if d.vocab_size is None:
         d.vocab_size = m.options.vocab_size() or DEFAULT_VOCAB_SIZE
     m.options.validate(spec, lambda *a: _check(False, *a))
+    pretrained = getattr(m.options, "pretrained", None)
+    if (pretrained and d.tokenizer is None and "tokenizer" in data_sets.SETS[d.name].takes
+            and (Path(pretrained) / "tokenizer.json").is_file()):
+        d.tokenizer = pretrained  # the checkpoint's own tokenizer, unless the experiment names one
 
     if d.name in data_sets.NEEDS_PATH:
         _check(bool(d.path), "data.path", d.path, f"{d.name} is read from {data_sets.SETS[d.name].path}",
@@ -680,7 +686,11 @@ def resolve_paths(raw, base: Path, prefix: str = ""):
     made absolute against `base`."""
     if prefix in PATH_FIELDS:
         return _absolute(raw, base)
-    if not isinstance(raw, dict) or prefix and not any(f.startswith(prefix + ".") for f in PATH_FIELDS):
+    if prefix in PATH_OR_NAME_FIELDS:
+        found = _absolute(raw, base)
+        return found if isinstance(found, str) and os.path.exists(found) else raw
+    if not isinstance(raw, dict) or prefix and not any(f.startswith(prefix + ".")
+                                                      for f in PATH_FIELDS + PATH_OR_NAME_FIELDS):
         return raw
     out = dict(raw)
     for key, value in raw.items():

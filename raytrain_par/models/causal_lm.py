@@ -24,6 +24,7 @@ import copy
 import difflib
 import functools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -47,20 +48,34 @@ SPLIT_FAMILIES = ("gpt2",) + LLAMA_STYLE  # model_types megatron and the pipelin
 class Options:
     """`model:` keys of causal-lm."""
 
-    config: str  # a transformers config.json, or the directory holding one
+    config: Optional[str] = None  # a transformers config.json, or the directory holding one: random weights
+    # a save_pretrained directory, or a Hugging Face hub id found in the local cache: its config and weights
+    pretrained: Optional[str] = None
     overrides: Optional[dict] = None  # config fields to change, e.g. {num_hidden_layers: 2}
 
     def validate(self, spec, error) -> None:
-        config = load(self)
+        if (self.config is None) == (self.pretrained is None):
+            error("model.config" if self.config else "model", self.config,
+                  "a causal-lm starts from random weights (model.config) or from a checkpoint's (model.pretrained): "
+                  "give one of them" + (", not both" if self.config else ""),
+                  "e.g. `model: {name: causal-lm, config: llama/config.json}` or "
+                  "`model: {name: causal-lm, pretrained: ~/models/llama-1b}`")
         # Workers start in another directory: they are given the absolute path (the same file).
-        self.config = str(Path(self.config).expanduser().resolve())
+        if self.pretrained is not None:
+            self.pretrained = str(pretrained_dir(self.pretrained))
+        else:
+            self.config = str(Path(self.config).expanduser().resolve())
+        config = load(self)
+        if self.pretrained is not None:
+            check_weights(self, config)
+        given = self.pretrained or self.config
         positions = max_positions(config)
         if positions is not None and positions < spec.data.seq_len:
-            error("data.seq_len", spec.data.seq_len, f"longer than the {positions} positions of {self.config}",
+            error("data.seq_len", spec.data.seq_len, f"longer than the {positions} positions of {given}",
                   f"use data.seq_len <= {positions}, or raise max_position_embeddings in model.overrides")
         if spec.data.vocab_size is not None and spec.data.vocab_size > config.vocab_size:
             error("data.vocab_size", spec.data.vocab_size,
-                  f"more tokens than the model's vocab_size {config.vocab_size} ({self.config})",
+                  f"more tokens than the model's vocab_size {config.vocab_size} ({given})",
                   f"use data.vocab_size <= {config.vocab_size}, or remove it to take the config's")
         if spec.train.activation_checkpointing != "none":  # its blocks and their attention can be found
             from transformers import AutoModelForCausalLM
@@ -68,11 +83,13 @@ class Options:
             with torch.device("meta"):
                 lm.checkpoint_units(AutoModelForCausalLM.from_config(config), spec.train.activation_checkpointing)
 
-    def vocab_size(self) -> int:
-        return load(self).vocab_size
+    def vocab_size(self) -> int | None:
+        return load(self).vocab_size if (self.config or self.pretrained) else None  # else validate() says
 
 
 def _path(options: Options) -> Path:
+    if options.pretrained is not None:
+        return pretrained_dir(options.pretrained) / "config.json"
     path = Path(options.config).expanduser()
     return path / "config.json" if path.is_dir() else path
 
@@ -81,32 +98,120 @@ def load(options: Options):
     """The transformers config (a fresh copy), checked to be a decoder-only causal LM."""
     path = _path(options)
     stamp = path.stat().st_mtime_ns if path.is_file() else None
-    return copy.deepcopy(_load(str(path), stamp, json.dumps(options.overrides or {}, sort_keys=True), options.config))
+    field = "model.pretrained" if options.pretrained is not None else "model.config"
+    return copy.deepcopy(_load(str(path), stamp, json.dumps(options.overrides or {}, sort_keys=True),
+                               options.pretrained or options.config, field))
+
+
+@functools.lru_cache(maxsize=64)
+def pretrained_dir(given: str) -> Path:
+    """model.pretrained -> the directory holding its config.json and weights: a directory as given, else
+    a hub id (`org/name`) looked up in the local Hugging Face cache. Nothing is downloaded while a run
+    starts: on a cluster every node would fetch it, and a missing file should fail before any worker."""
+    path = Path(given).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError("model.pretrained", given, "the directory holds no config.json",
+                              "give the directory `save_pretrained` wrote (config.json and model.safetensors)")
+        return path.resolve()
+    if path.exists():
+        raise ConfigError("model.pretrained", given, "a file, not a directory",
+                          "give the directory `save_pretrained` wrote (config.json and model.safetensors)")
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", given):
+        raise ConfigError("model.pretrained", given, "no such directory", "give the directory `save_pretrained` "
+                          "wrote, or a Hugging Face hub id such as Qwen/Qwen2.5-0.5B")
+    from huggingface_hub import snapshot_download
+
+    try:
+        found = Path(snapshot_download(given, local_files_only=True))
+    except Exception:
+        raise ConfigError("model.pretrained", given, "no such directory, and no model of that id in the Hugging Face "
+                          "cache (nothing is downloaded while a run starts)",
+                          f"download it once: `hf download {given}` (on shared storage for a cluster: set HF_HOME), "
+                          "or give the directory `save_pretrained` wrote") from None
+    if not (found / "config.json").is_file():
+        raise ConfigError("model.pretrained", given, f"the cached snapshot {found} holds no config.json",
+                          f"download it again: `hf download {given}`")
+    return found
+
+
+def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a save_pretrained directory's safetensors weights, with its shape, read from the
+    files' headers (nothing loaded). Pickled weights (pytorch_model.bin) are refused: loading a pickle
+    runs code from the file."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [directory / "model.safetensors"] if (directory / "model.safetensors").is_file() else []
+    if not files:
+        pickled = [f.name for f in directory.glob("*.bin")]
+        raise ConfigError("model.pretrained", str(directory), "holds no safetensors weights" +
+                          (f" ({', '.join(pickled)} is a pickle, which is not loaded: loading it runs code from the "
+                           "file)" if pickled else ""),
+                          "save the model with save_pretrained(dir) (safetensors, transformers' default), or convert "
+                          "it once where you trust the file")
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), "pt") as weights:
+            for key in weights.keys():
+                shapes[key] = tuple(weights.get_slice(key).get_shape())
+    return shapes
+
+
+def check_weights(options: Options, config) -> None:
+    """The checkpoint's tensors are the model's, at the model's shapes (model.overrides may change a
+    size): refused before anything starts, naming the first that differs."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    prefix = model.base_model_prefix
+    found: set[str] = set()
+    for key, shape in weight_shapes(Path(options.pretrained)).items():
+        names = [key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")]
+        name = next((n for n in names if n in wanted), None)
+        if name is None:
+            continue  # a tensor the model does not hold (a saved buffer): transformers leaves it out too
+        if shape != wanted[name]:
+            raise ConfigError("model.pretrained", options.pretrained,
+                              f"its {key} is {list(shape)}, the model's {list(wanted[name])}",
+                              "use the config the weights were saved with: remove model.overrides that change sizes")
+        found.add(name)
+    tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    missing = [n for n in wanted if n not in found and n not in tied]
+    if missing:
+        raise ConfigError("model.pretrained", options.pretrained,
+                          f"its weights lack {len(missing)} of the model's {len(wanted)} tensors, e.g. {missing[0]}",
+                          "give a checkpoint of this model (the config.json beside the weights decides the model)")
 
 
 @functools.lru_cache(maxsize=16)
-def _load(path: str, stamp, overrides_json: str, given: str):
+def _load(path: str, stamp, overrides_json: str, given: str, field: str = "model.config"):
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
     if stamp is None:
-        raise ConfigError("model.config", given, "no such file",
+        raise ConfigError(field, given, "no such file",
                           "give the path of a transformers config.json, or of the directory holding one")
     try:
         raw = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError("model.config", given, f"not a JSON file ({e})", "give a transformers config.json") from None
+        raise ConfigError(field, given, f"not a JSON file ({e})", "give a transformers config.json") from None
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type not in CONFIG_MAPPING_NAMES:
         close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING_NAMES), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError("model.config", given, f"model_type {model_type!r} is not one transformers knows{hint}",
+        raise ConfigError(field, given, f"model_type {model_type!r} is not one transformers knows{hint}",
                           "give a transformers config.json with its model_type, e.g. 'llama', 'gpt2', 'qwen2'")
     if (model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or raw.get("is_encoder_decoder")
             or model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES):
-        raise ConfigError("model.config", given, f"model_type {model_type!r} is not a decoder-only causal LM",
+        raise ConfigError(field, given, f"model_type {model_type!r} is not a decoder-only causal LM",
                           "give the config of a decoder-only causal LM (gpt2, llama, mistral, qwen2, ...)")
     overrides = json.loads(overrides_json)
     known = AutoConfig.for_model(model_type).to_dict()
@@ -129,7 +234,15 @@ def max_positions(config) -> int | None:
 def build(name: str, options: Options, info) -> tuple[nn.Module, Task]:
     from transformers import AutoModelForCausalLM
 
-    return lm.finish(AutoModelForCausalLM.from_config(load(options)), "causal-lm", info)
+    config = load(options)
+    probe = torch.empty(0)
+    if options.pretrained is None or probe.device.type == "meta" or type(probe).__name__ == "FakeTensor":
+        # random weights; or shapes only (estimate, parameter counts), where weights are never read
+        return lm.finish(AutoModelForCausalLM.from_config(config), "causal-lm", info)
+    # Every worker loads the same weights; each strategy then shards them as it shards random ones.
+    model = AutoModelForCausalLM.from_pretrained(options.pretrained, config=config, dtype=torch.float32,
+                                                 use_safetensors=True)
+    return lm.finish(model, "causal-lm", info)
 
 
 def _layers_count(config) -> int:
