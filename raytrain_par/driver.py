@@ -38,6 +38,7 @@ from .metrics.efficiency import summarize
 from .metrics.memory import CACHING_ALLOCATOR_ENV
 from .metrics.records import RecordWriter, merge, progress_line, read_records, table, write_table
 from .provenance import record_run
+from .strategies import state as one_format
 from .worker import quiet_ray_logs, steps_per_epoch, train_loop_per_worker
 
 RUN_SUBDIR = "train"
@@ -319,6 +320,10 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
     options, name = spec.strategy.options, spec.strategy.name
     same_strategy = get(written, "strategy.name") == name
     recut = same_strategy and getattr(options, "checkpoints_reshard", False)
+    # both engines read and write the one format (strategies/state.py): any strategy of them, any count
+    shared = _shares_format(get(written, "strategy.name")) and _shares_format(name, options) and \
+        one_format.present(found[-1].parent)
+    recut = recut or shared
     any_workers = recut or (same_strategy and getattr(options, "checkpoints_any_workers", False))
     lifted = {"strategy"} if recut else set()
     if any_workers:
@@ -354,6 +359,15 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
                         + "\n    ".join(diffs) + "".join(f"\n  note: {n}" for n in notes)
                         + "\n  fix: resume with the settings the run started with, or "
                         "start a new run without --resume (the earlier results are kept aside)")
+
+
+def _shares_format(name, options=None) -> bool:
+    from . import strategies
+
+    try:
+        return bool(strategies.engine_class(name, options).shares_format)
+    except Exception:  # a strategy this release does not know (an older checkpoint's): it does not
+        return False
 
 
 def check_prepared(spec: ExperimentSpec, info: DatasetInfo) -> None:

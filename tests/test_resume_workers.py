@@ -23,7 +23,7 @@ TRAIN = {"eval_every_steps": 1, "checkpoint_every_evals": 2, "eval_at_start": Fa
          "warmup_steps": 1, "weight_decay": 0.1}
 PIPELINE = {"name": "pipeline", "stages": 2, "schedule": "1f1b", "microbatches": 2}
 MEGATRON = {"name": "megatron", "tensor_parallel": 2}
-# case: (strategy, workers that write, workers that resume, relative tolerance)
+# case: (strategy, workers that write, workers that resume, relative tolerance[, the strategy that resumes])
 CASES = {
     "ddp 1->2": ("ddp", 1, 2, 1e-6),
     "fsdp 1->2": ("fsdp", 1, 2, 1e-5),
@@ -38,7 +38,16 @@ CASES = {
     "megatron 2->4": (MEGATRON, 2, 4, 1e-5),
     # PipeDream restarts its pipeline empty on any resume (see pipedream.py): it continues, not identically
     "pipedream 2->4": ({"name": "pipedream", "stages": 2}, 2, 4, None),
+    # another strategy, through the one format (strategies/state.py): by name at whole shapes
+    "fsdp 2 -> ddp 1": ("fsdp", 2, 1, 1e-5, "ddp"),
+    "ddp 2 -> fsdp 1": ("ddp", 2, 1, 1e-5, "fsdp"),
+    "ddp 1 -> fsdp 2": ("ddp", 1, 2, 1e-5, "fsdp"),
 }
+
+
+def resumer(case: str):
+    """The strategy a case resumes with: the one that wrote it, unless the case names another."""
+    return CASES[case][4] if len(CASES[case]) > 4 else CASES[case][0]
 
 
 def _spec(strategy, workers) -> dict:
@@ -56,7 +65,7 @@ def phase(rank, world, info_dict, tmp, straight: list[str], resume: list[str]):
     step-2 checkpoint), and resumes of the cases that continue on `world` workers."""
     tmp, out = Path(tmp), {"straight": {}, "resumed": {}}
     for case in straight:
-        strategy, n, _, _ = CASES[case]
+        strategy, n = CASES[case][:2]
         root = tmp / case
         out["straight"][case] = _kept(loop(_spec(strategy, n), info_dict, root / "straight"))
         if world > 1:
@@ -69,16 +78,16 @@ def phase(rank, world, info_dict, tmp, straight: list[str], resume: list[str]):
         if world > 1:
             torch.distributed.barrier()
     for case in resume:
-        strategy, _, m, _ = CASES[case]
-        out["resumed"][case] = _kept(loop(_spec(strategy, m), info_dict, tmp / case / "resumed", resume=True))
+        m = CASES[case][2]
+        out["resumed"][case] = _kept(loop(_spec(resumer(case), m), info_dict, tmp / case / "resumed", resume=True))
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(info, tmp_path_factory):
     tmp, kjv = str(tmp_path_factory.mktemp("resume-workers")), info(**KJV)
-    writes = {w: [c for c, (_, n, _, _) in CASES.items() if n == w] for w in (1, 2)}
-    resumes = {w: [c for c, (_, _, m, _) in CASES.items() if m == w] for w in (1, 2, 4)}
+    writes = {w: [c for c, v in CASES.items() if v[1] == w] for w in (1, 2)}
+    resumes = {w: [c for c, v in CASES.items() if v[2] == w] for w in (1, 2, 4)}
     straight, resumed = {}, {}
     for world, args in ((1, (writes[1], [])), (2, (writes[2], resumes[2])), (1, ([], resumes[1])),
                         (4, ([], resumes[4]))):
@@ -91,7 +100,7 @@ def runs(info, tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_resumed_on_another_worker_count_trains_the_same_steps(runs, case):
     straight, resumed = runs[0][case], runs[1][case]
-    _, n, m, rel = CASES[case]
+    n, m, rel = CASES[case][1:4]
     assert [r["step"] for r in straight] == [1, 2, 3, 4] and [r["step"] for r in resumed] == [3, 4]
     assert straight[0]["num_workers"] == n and resumed[0]["num_workers"] == m
     for was, now in zip(straight[2:], resumed):
@@ -119,6 +128,24 @@ def test_worker_count_may_change_where_the_engine_reshards(tmp_path, strategy, w
 
     run_dir = _written(tmp_path, experiment(strategy=strategy, workers=written))
     check_resumable(config.parse(experiment(strategy=strategy, workers=resumed)), run_dir)
+
+
+@pytest.mark.parametrize("written,resumed", [("fsdp", "ddp"), ("ddp", "fsdp")])
+def test_another_strategy_resumes_where_both_share_the_format(tmp_path, written, resumed):
+    """ddp and fsdp read each other's checkpoints through the one format; a checkpoint without it (or a
+    strategy that does not share it) is refused, naming the strategy."""
+    from raytrain_par.driver import check_resumable
+    from raytrain_par.errors import UserError
+    from raytrain_par.strategies import state
+
+    run_dir = _written(tmp_path, experiment(strategy=written, workers=2))
+    with pytest.raises(UserError, match="strategy: checkpoint"):  # written before the format existed
+        check_resumable(config.parse(experiment(strategy=resumed, workers=1)), run_dir)
+    ckpt = next(run_dir.glob("checkpoint_*"))
+    state.write(ckpt, {}, {"optimizer": "AdamW", "scheduler": {}}, 2)
+    check_resumable(config.parse(experiment(strategy=resumed, workers=1)), run_dir)
+    with pytest.raises(UserError, match="strategy: checkpoint"):
+        check_resumable(config.parse(experiment(strategy="zero-3", workers=2)), run_dir)
 
 
 @pytest.mark.parametrize("strategy,written,resumed", [("zero-3", 2, 1), (MEGATRON, 2, 4), (PIPELINE, 4, 2)])
@@ -166,3 +193,32 @@ def test_a_strategy_that_cannot_reshard_keeps_its_worker_count(tmp_path, monkeyp
         check_resumable(config.parse(experiment(workers=1)), run_dir)
     assert "scaling.num_workers: checkpoint 2, experiment 1" in str(err.value)
     assert "ddp checkpoints resume only on the number of workers that wrote them" in str(err.value)
+
+
+@pytest.mark.ray
+def test_a_run_resumes_under_another_strategy_as_a_user_types_it(ray_cluster, tmp_path):
+    """`raytrain-par run --resume --set strategy.name=ddp --set scaling.num_workers=1` on a run trained
+    with fsdp on 2 workers ends with the losses of the run that trained straight through (constant
+    learning rate, no dropout: only the strategy and the worker count differ)."""
+    import yaml
+
+    from raytrain_par import cli
+    from raytrain_par.metrics.records import read_records
+
+    raw = {"name": "straight", "model": {"name": "gpt2-tiny", "dropout": 0.0}, "data": {**KJV, "max_val_samples": 16},
+           "strategy": {"name": "fsdp"}, "scaling": {"num_workers": 2},
+           "train": {"global_batch_size": 8, "max_steps": 6, "eval_every_steps": 3, "lr": 3e-3},
+           "output_dir": str(tmp_path)}
+    f = tmp_path / "e.yaml"
+    f.write_text(yaml.safe_dump(raw))
+    assert cli.main(["run", str(f)]) == 0
+    f.write_text(yaml.safe_dump({**raw, "name": "resumed", "train": {**raw["train"], "max_steps": 3}}))
+    assert cli.main(["run", str(f)]) == 0
+    assert cli.main(["run", str(f), "--resume", "--set", "strategy.name=ddp", "--set", "scaling.num_workers=1",
+                     "--set", "train.max_steps=6"]) == 0
+    straight = read_records(tmp_path / "straight" / "metrics.parquet")
+    resumed = read_records(tmp_path / "resumed" / "metrics.parquet")
+    assert [r["step"] for r in resumed] == [0, 3, 6] and resumed[-1]["strategy"] == "ddp"
+    assert resumed[-1]["num_workers"] == 1 and straight[-1]["num_workers"] == 2
+    for key in ("train_loss", "val_loss"):
+        assert resumed[-1][key] == pytest.approx(straight[-1][key], rel=1e-5, abs=0)

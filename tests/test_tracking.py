@@ -107,19 +107,28 @@ def wandb_records(path: Path) -> list[bytes]:
     return out
 
 
-def wandb_history(directory: Path) -> list[dict]:
-    """The rows W&B offline runs logged, parsed with W&B's own record type."""
+def wandb_logged(directory: Path, run_id: str = "*") -> tuple[list[dict], dict]:
+    """The history rows and the config W&B offline runs (of one id, or all) logged, parsed with W&B's
+    own record type."""
     from wandb.proto import wandb_internal_pb2
 
-    rows = []
-    for f in sorted(directory.rglob("run-*.wandb")):
+    rows, config_ = [], {}
+    for f in sorted(directory.rglob(f"run-{run_id}.wandb")):
         for data in wandb_records(f):
             rec = wandb_internal_pb2.Record()
             rec.ParseFromString(data)
-            if rec.WhichOneof("record_type") == "history":
+            kind = rec.WhichOneof("record_type")
+            if kind == "history":
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                              for item in rec.history.item})
-    return rows
+            elif kind in ("config", "run"):  # the config comes with the run record, and later updates
+                items = rec.config.update if kind == "config" else rec.run.config.update
+                config_.update({item.key: json.loads(item.value_json) for item in items})
+    return rows, config_
+
+
+def wandb_history(directory: Path, run_id: str = "*") -> list[dict]:
+    return wandb_logged(directory, run_id)[0]
 
 
 def mlflow_history(uri: str, run_id: str, key: str) -> dict[int, float]:
@@ -261,7 +270,8 @@ def test_a_run_and_a_sweep_through_ray_reach_their_trackers(ray_cluster, mlflow_
     assert "convergence_wall_time.png" in {a.path for a in client.list_artifacts(run.info.run_id)}
     assert tensorboard_scalars(results / "tensorboard")["val_loss"] == pytest.approx(
         {r["step"]: r["val_loss"] for r in records})
-    history = wandb_history(results / "wandb")  # the evaluations, then a row of the figures
+    history, logged_config = wandb_logged(results / "wandb")  # the evaluations, then a row of the figures
+    assert logged_config["train.lr"] == "0.003" and logged_config["model.name"] == "gpt2-tiny"
     assert any(k.startswith("figures/convergence_wall_time/") for k in history[-1])
     assert {row["_step"]: row["val_loss"] for row in history if "val_loss" in row} == pytest.approx(
         {r["step"]: r["val_loss"] for r in records})
@@ -282,6 +292,10 @@ def test_a_run_and_a_sweep_through_ray_reach_their_trackers(ray_cluster, mlflow_
             r["step"]: pytest.approx(r["val_loss"]) for r in records if r["trial"] == trial}
         assert tensorboard_scalars(results / "tensorboard" / trial)["val_loss"] == pytest.approx(
             {r["step"]: r["val_loss"] for r in records if r["trial"] == trial})
+        history, logged_config = wandb_logged(results / "wandb", state["wandb"][trial])
+        assert {row["_step"]: row["val_loss"] for row in history if "val_loss" in row} == pytest.approx(
+            {r["step"]: r["val_loss"] for r in records if r["trial"] == trial})
+        assert logged_config["train.global_batch_size"] == str(run.data.params["train.global_batch_size"])
     assert "warning" not in capsys.readouterr().err
 
 

@@ -449,6 +449,33 @@ class Engine(ABC):
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
+    #: whether this engine's checkpoints carry the one format (strategies/state.py) and resume from it:
+    #: it supplies `optimizer_states` and `load_whole`
+    shares_format: bool = False
+
+    def optimizer_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter's optimizer state by the plain model's parameter name, whole tensors at the
+        parameter's global shape, on every rank (gathered where sharded: every rank calls it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not write the one checkpoint format yet")
+
+    def load_whole(self, weights: dict[str, torch.Tensor], states: dict[str, dict[str, torch.Tensor]]) -> None:
+        """The inverse: whole weights and optimizer states by name -> this rank's slices of them, cut as
+        the engine cuts a parameter's weight."""
+        raise NotImplementedError(f"{type(self).__name__} does not read the one checkpoint format yet")
+
+    def format_extras(self) -> dict:
+        """What index.json holds beside the tensors: the optimizer's class, the schedule's and the loss
+        scaler's state."""
+        scaler = getattr(self, "scaler", None)
+        return {"optimizer": type(self.optimizer).__name__, "scheduler": self.scheduler.state_dict(),
+                **({"scaler": scaler.state_dict()} if scaler is not None else {})}
+
+    def load_format_extras(self, index: dict) -> None:
+        self.load_scheduler(index["scheduler"])
+        scaler = getattr(self, "scaler", None)
+        if scaler is not None and "scaler" in index:
+            scaler.load_state_dict(index["scaler"])
+
     @abstractmethod
     def save(self, directory: Path) -> None:
         """Write this rank's part of a checkpoint into `directory` (a directory of its own)."""

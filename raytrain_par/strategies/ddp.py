@@ -144,3 +144,24 @@ class DDPEngine(Engine):
 
     def full_state_dict(self):
         return self.model.state_dict()
+
+    # -- the one checkpoint format (strategies/state.py): every rank holds whole tensors ------------
+    shares_format = True
+
+    def optimizer_states(self):
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return {names[id(p)]: dict(self.optimizer.state[p]) for g in self.optimizer.param_groups
+                for p in g["params"] if self.optimizer.state.get(p)}
+
+    def load_whole(self, weights, states):
+        self.model.load_state_dict(weights)
+        for name, p in self.model.named_parameters():
+            if name in states:
+                self.optimizer.state[p] = {k: _placed(v, p) for k, v in states[name].items()}
+
+
+def _placed(value, param):
+    """An optimizer state beside its parameter (its step count stays a CPU scalar, as torch keeps it)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value.clone() if isinstance(value, torch.Tensor) else value
+    return value.to(device=param.device, dtype=param.dtype if value.is_floating_point() else value.dtype)

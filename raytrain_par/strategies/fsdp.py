@@ -203,6 +203,31 @@ class FSDPEngine(Engine):
             out[name] = full[id(t)]
         return out
 
+    # -- the one checkpoint format (strategies/state.py): shards gathered and cut by name -----------
+    shares_format = True
+
+    def optimizer_states(self):
+        """An all-gather per state tensor, in the optimizer's parameter order (the same on every rank)."""
+        self._resharded()
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return {names[id(p)]: {k: _whole(v) if isinstance(v, torch.Tensor) else v
+                               for k, v in self.optimizer.state[p].items()}
+                for p in self._params() if self.optimizer.state.get(p)}
+
+    def load_whole(self, weights, states):
+        self._resharded()
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                _local(p).copy_(_local(_shard_of(weights[name], p)))
+        for name, p in self.module.named_parameters():
+            if name in states:
+                self.optimizer.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0
+                                           else _shard_of(v, p) for k, v in states[name].items()}
+
+
+def _whole(t):
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
