@@ -9,7 +9,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DATA_PACKAGES := bible-kjv dataset-fashion-mnist
 PYTEST_ARGS ?=
 
-.PHONY: setup data-packages quickstart test bench clean
+.PHONY: setup data-packages mlflow-server quickstart test bench clean
 
 setup: $(VENV)/.installed data-packages
 
@@ -27,14 +27,23 @@ data-packages:
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(DATA_PACKAGES) >/dev/null; \
 	fi
 
+# The MLflow tracking server the tracking tests log to, in an environment of its own (the server's
+# package holds pyarrow below 26; the project's environment has only MLflow's client).
+mlflow-server: .mlflow-server/.installed
+
+.mlflow-server/.installed:
+	test -x .mlflow-server/bin/python || $(PYTHON) -m venv .mlflow-server
+	.mlflow-server/bin/python -m pip install -q "mlflow>=3"
+	touch $@
+
 quickstart: setup
 	$(BIN)/raytrain-par run experiments/quickstart.yaml
 
-test: setup
+test: setup mlflow-server
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) .mlflow-server results .pytest_cache

@@ -19,6 +19,8 @@ from raytrain_par import cli, config, tracking
 from raytrain_par.metrics.records import read_records, write_table
 from test_config import BASE
 
+REPO = Path(__file__).resolve().parent.parent
+
 import mlflow  # noqa: E402  (the dev extras install every tracker: pip install -e '.[dev]')
 
 
@@ -32,7 +34,10 @@ def free_port() -> int:
 def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
     port = free_port()
-    exe = Path(sys.executable).parent / "mlflow"
+    # `make mlflow-server` installs the server apart from the project's environment, which has MLflow's client only
+    found = [p for p in (REPO / ".mlflow-server" / "bin" / "mlflow", Path(sys.executable).parent / "mlflow") if p.exists()]
+    assert found, "no MLflow server to start: run `make mlflow-server` (make test does)"
+    exe = found[0]
     proc = subprocess.Popen([str(exe), "server", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
                              "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1",
                              "--port", str(port), "--workers", "1"],
