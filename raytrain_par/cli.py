@@ -315,7 +315,8 @@ def _push_to_mlflow(results: Path, uri: str) -> None:
     if failures:
         raise UserError(f"--to-mlflow {uri}: {failures[0].removeprefix('raytrain-par: warning: ')}\n  fix: start "
                         f"the server (mlflow server --backend-store-uri sqlite:///mlflow.db) or correct the URI")
-    print(f"pushed {sum(1 for _ in pushed.state.get('mlflow', {}))} MLflow run(s) to {uri}", file=sys.stderr)
+    runs = [t for t in pushed.state.get("mlflow", {}) if t != "__sweep__"]
+    print(f"pushed {len(runs)} MLflow run(s) to {uri}", file=sys.stderr)
 
 
 def _cluster_validate(files: list[str], experiments: list[str]) -> int:

@@ -10,8 +10,9 @@ said to be unknown otherwise: counting them would mean preparing it.
 
 from __future__ import annotations
 
-import math
 import os
+
+import torch
 
 from . import data as data_sets
 from .config import ExperimentSpec
@@ -77,12 +78,13 @@ def sweep_summary(plan, spec: ExperimentSpec) -> dict:
     Ray Data's reads; for the embedded local cluster that is this machine's."""
     sw = plan.sweep
     trials = len(plan.points) * (sw.num_samples if sw.random or sw.search == "optuna" else 1)
-    cpus = os.cpu_count() or 1
+    cpus, gpus = os.cpu_count() or 1, torch.cuda.device_count()
+    at_once = plan.trials_held({"CPU": cpus, "GPU": gpus})  # the rule `sweep` applies to the cluster's
     if sw.max_concurrent_trials:
-        at_once, source = sw.max_concurrent_trials, "sweep.max_concurrent_trials"
+        source = "sweep.max_concurrent_trials"
     else:
-        at_once = max(1, math.floor((cpus - 1) / plan.trial_cpus)) if plan.trial_cpus else 1
-        source = f"the free CPUs of the cluster; {at_once} on an embedded cluster on this machine ({cpus} CPUs)"
+        source = (f"the free CPUs of the cluster; {at_once} on an embedded cluster on this machine ({cpus} CPUs"
+                  + (f", {gpus} GPUs" if plan.trial_gpus else "") + ")")
     return {"search": sw.search, "trials": trials, "trials_upper_bound": sw.search == "goodput",
             "points": len(plan.points), "at_once": min(at_once, trials), "at_once_from": source,
             "trial_cpus": plan.trial_cpus, "trial_gpus": plan.trial_gpus}

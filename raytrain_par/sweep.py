@@ -97,6 +97,16 @@ class Plan:
     def trial_spec(self, overrides: dict) -> ExperimentSpec:
         return trial_spec(self.base, self.sweep, overrides)
 
+    def trials_held(self, free: dict) -> int:
+        """Trials run at once: sweep.max_concurrent_trials, else what `free` resources (Ray's
+        available_resources) hold, keeping one CPU for Ray Data's reads."""
+        if self.sweep.max_concurrent_trials:
+            return self.sweep.max_concurrent_trials
+        n = math.floor((free.get("CPU", 0) - 1) / self.trial_cpus) if self.trial_cpus else 1
+        if self.trial_gpus:
+            n = min(n, math.floor(free.get("GPU", 0) / self.trial_gpus))
+        return max(1, n)
+
     def global_batches(self) -> list[int]:
         """The global batch sizes the points train with, smallest first."""
         return sorted({self.trial_spec(pt).train.global_batch_size for pt in self.points})

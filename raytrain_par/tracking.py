@@ -38,7 +38,8 @@ from typing import Callable, Literal, Optional
 STATE_FILE = "tracking.json"
 # Record columns that are not figures of the run at that step (or are figures per worker, lists)
 NOT_METRICS = {"step", "timestamp", "started_at", "resumed_from_step"}
-EXTRAS = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb"}  # pip install 'raytrain-par[X]'
+# Each tracker: its extra (pip install 'raytrain-par[X]') and the module it imports, one name for both.
+TRACKERS = ("mlflow", "tensorboard", "wandb")
 
 
 @dataclass
@@ -69,7 +70,7 @@ class TrackingSpec:
     wandb: Optional[WandbSpec] = None
 
     def configured(self) -> list[str]:
-        return [name for name in EXTRAS if getattr(self, name) is not None]
+        return [name for name in TRACKERS if getattr(self, name) is not None]
 
 
 def missing_package(name: str) -> str | None:
@@ -77,8 +78,7 @@ def missing_package(name: str) -> str | None:
     starts), else None."""
     import importlib.util
 
-    module = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb"}[name]
-    return module if importlib.util.find_spec(module) is None else None
+    return name if importlib.util.find_spec(name) is None else None
 
 
 def metrics_of(record: dict) -> dict[str, float]:
@@ -210,11 +210,6 @@ class TensorBoardBackend(Backend):
         self.SummaryWriter = SummaryWriter
         self.root = Path(spec.log_dir) if spec.log_dir else results_dir / "tensorboard"
         self.writers: dict[str, object] = {}
-        self.sweep = False
-
-    def open_sweep(self, name, params, tags, run_id):
-        self.sweep = True
-        return None
 
     def open(self, trial, run_id, parent):
         directory = self.root / trial.name if trial.sweep else self.root

@@ -12,7 +12,6 @@ written in one place even when trials run on other nodes.
 from __future__ import annotations
 
 import json
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,14 +103,8 @@ def _domain(dom):
 
 
 def concurrency(p: Plan) -> int:
-    """Trials the cluster's free resources hold at once, keeping one CPU for Ray Data's reads."""
-    if p.sweep.max_concurrent_trials:
-        return p.sweep.max_concurrent_trials
-    free = ray.available_resources()
-    n = math.floor((free.get("CPU", 0) - 1) / p.trial_cpus) if p.trial_cpus else 1
-    if p.trial_gpus:
-        n = min(n, math.floor(free.get("GPU", 0) / p.trial_gpus))
-    return max(1, n)
+    """Trials the cluster's free resources hold at once (Plan.trials_held)."""
+    return p.trials_held(ray.available_resources())
 
 
 @dataclass

@@ -81,11 +81,11 @@ def _key(spec) -> str:
 def prepare(spec, cache_dir: str | Path | None = None, log=print) -> DatasetInfo:
     """Prepare (or find in the cache) the Parquet shards of a data set; returns where they are."""
     check_available(spec)
-    info = cached(spec, cache_dir)
-    if info is not None:
-        return info
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     final = cache / "datasets" / _key(spec)
+    info = load_info(final)
+    if info is not None:
+        return info
     log(f"preparing data set {spec.name} into {final} (once; later runs reuse it)")
     with atomic_dir(final) as tmp:
         common = dict(name=spec.name, train_path=str(final / "train"), val_path=str(final / "val"))
