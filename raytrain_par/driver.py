@@ -318,6 +318,10 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
         return d
 
     options, name = spec.strategy.options, spec.strategy.name
+    if _shares_format(get(written, "strategy.name")):  # a strategy that writes only the one format now
+        why = one_format.old_format(found[-1].parent)
+        if why:
+            raise UserError(f"--resume: {why}.\n  fix: {one_format.OLD_FORMAT_FIX}")
     same_strategy = get(written, "strategy.name") == name
     recut = same_strategy and getattr(options, "checkpoints_reshard", False)
     # both engines read and write the one format (strategies/state.py): any strategy of them, any count

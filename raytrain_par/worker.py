@@ -37,7 +37,6 @@ from .metrics.timeline import profiled_step, warm_up_profiler
 from .strategies import DistContext, Engine
 from .strategies.context import DTYPES
 from .strategies import state as one_format
-from .strategies.weights import WEIGHTS_FILE, read_weights, write_weights
 
 
 @dataclass
@@ -248,18 +247,9 @@ class Trainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _save(self, directory: Path) -> None:
-        self.engine.save(directory)
-        # The plain model's weights, gathered, in every checkpoint: `raytrain-par export` reads them
-        # without the process group (or strategy) that wrote the shards.
-        weights = self.engine.full_state_dict()
-        if self.ctx.rank == 0:
-            write_weights(weights, directory / WEIGHTS_FILE)
-        del weights
-        if self.engine.shares_format:  # the one format, beside the engine's own files
-            states = self.engine.optimizer_states()
-            if self.ctx.rank == 0:
-                one_format.write(directory, states, self.engine.format_extras(), self.state.step)
-            del states
+        # The plain model's weights, gathered, in every checkpoint (`raytrain-par export` reads them
+        # without the process group or strategy that wrote the shards), and the optimizer state by name
+        one_format.save(self.engine, directory, self.state.step)
         rng = {"torch": torch.get_rng_state()}
         if self.ctx.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
@@ -273,13 +263,7 @@ class Trainer:
     def _load(self, directory: Path) -> None:
         meta = json.loads((directory / "loop.json").read_text())
         self.state = LoopState(**meta["state"])
-        if self.engine.shares_format and one_format.present(directory):
-            # by name at whole shapes: written by any engine that shares the format, on any worker count
-            states, index = one_format.read(directory)
-            self.engine.load_whole(read_weights(directory / WEIGHTS_FILE), states)
-            self.engine.load_format_extras(index)
-        else:
-            self.engine.load(directory)
+        one_format.load(self.engine, directory)
         rng_file = directory / f"rng-rank{self.ctx.rank}.pt"
         if not rng_file.exists():  # a worker the run did not have before: streams start equal on every rank
             rng_file = directory / "rng-rank0.pt"

@@ -17,6 +17,7 @@ from raytrain_par.local_group import run_ranks
 from raytrain_par.metrics.memory import SavedActivations
 from raytrain_par.models import checkpointing
 from raytrain_par.strategies import DistContext
+from raytrain_par.strategies import state as one_format
 
 GPT = "gpt2-tiny"
 VGG = {"name": "vgg11", "width": 0.125, "dropout": 0.0}
@@ -83,14 +84,14 @@ def _two_ranks(rank, world, infos, directory):
         for mode in modes:
             out[(what, mode)] = _train(_spec(case, mode), info)[1]
 
-    # A checkpoint written with checkpointing loads into an engine without it (fsdp: sharded files).
+    # A checkpoint written with checkpointing loads into an engine without it (fsdp: gathered by name).
     for strategy in ("ddp", "fsdp"):
         engine, _ = _train(experiment(GPT, KJV, strategy=strategy, workers=2, steps=STEPS,
                                       activation_checkpointing="full"), infos["kjv"])
-        engine.save(directory)
+        one_format.save(engine, directory, STEPS)
         torch.distributed.barrier()
         _, _, plain = _engine(experiment(GPT, KJV, strategy=strategy, workers=2, steps=STEPS), infos["kjv"])
-        plain.load(directory)
+        one_format.load(plain, directory)
         saved, loaded = engine.full_state_dict(), plain.full_state_dict()
         out[("resume", strategy)] = list(saved) == list(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved)
         torch.distributed.barrier()

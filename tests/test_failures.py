@@ -23,6 +23,7 @@ from raytrain_par.errors import UserError
 from raytrain_par.local_group import run_ranks
 from raytrain_par.metrics.records import read_records
 from raytrain_par.strategies import DistContext
+from raytrain_par.strategies import state as one_format
 from raytrain_par.strategies.optim import lr_factor
 
 COMMON = ["train.eval_every_steps=2", "train.lr_schedule=constant", "train.warmup_steps=0", "train.grad_clip=0.0",
@@ -153,6 +154,7 @@ def test_resume_from_another_model_is_refused_before_start(tmp_path):
     ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
     ckpt.mkdir(parents=True)
     (ckpt / "loop.json").write_text(json.dumps({"experiment": written.to_dict()}))
+    one_format.write(ckpt, {}, {"optimizer": "AdamW", "scheduler": {}}, 2)
     check_resumable(written, tmp_path / "train")  # the same setup resumes
     other = _spec(tmp_path, "model.name=gpt2-mini", "scaling.num_workers=1", "train.global_batch_size=32")
     with pytest.raises(UserError) as err:
@@ -169,6 +171,7 @@ def test_resume_with_other_optimizer_settings_is_refused_and_a_new_schedule_is_s
     ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
     ckpt.mkdir(parents=True)
     (ckpt / "loop.json").write_text(json.dumps({"experiment": written.to_dict()}))
+    one_format.write(ckpt, {}, {"optimizer": "AdamW", "scheduler": {}}, 2)
     for override, shown in [("train.lr=0.01", "train.lr: checkpoint 0.002, experiment 0.01"),
                             ("train.weight_decay=0.1", "train.weight_decay: checkpoint 0.01, experiment 0.1")]:
         with pytest.raises(UserError) as err:
@@ -199,9 +202,9 @@ def _rates_after_resume(rank, world, info_dict, directory):
         for _, batch in zip(range(2), loader.epoch(0)):
             written.train_step(batch)
         (directory / strategy).mkdir()
-        written.save(directory / strategy)
+        one_format.save(written, directory / strategy, 2)
         resumed, _ = engine(strategy, 6)
-        resumed.load(directory / strategy)
+        one_format.load(resumed, directory / strategy)
         out[strategy] = (resumed.lr, written.lr)
     return out
 

@@ -18,6 +18,7 @@ import torch
 from engines import KJV, experiment, loop
 from raytrain_par import config
 from raytrain_par.local_group import run_ranks
+from raytrain_par.strategies import state
 
 TRAIN = {"eval_every_steps": 1, "checkpoint_every_evals": 2, "eval_at_start": False, "lr_schedule": "cosine",
          "warmup_steps": 1, "weight_decay": 0.1}
@@ -42,6 +43,9 @@ CASES = {
     "fsdp 2 -> ddp 1": ("fsdp", 2, 1, 1e-5, "ddp"),
     "ddp 2 -> fsdp 1": ("ddp", 2, 1, 1e-5, "fsdp"),
     "ddp 1 -> fsdp 2": ("ddp", 1, 2, 1e-5, "fsdp"),
+    "zero-2 2 -> ddp 1": ("zero-2", 2, 1, 1e-5, "ddp"),
+    "ddp 1 -> zero-3 2": ("ddp", 1, 2, 1e-5, "zero-3"),
+    "fsdp 2 -> zero-1 4": ("fsdp", 2, 4, 1e-5, "zero-1"),
 }
 
 
@@ -117,6 +121,7 @@ def _written(tmp_path, raw: dict) -> Path:
     ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
     ckpt.mkdir(parents=True)
     (ckpt / "loop.json").write_text(json.dumps({"experiment": config.parse(raw).to_dict()}))
+    state.write(ckpt, {}, {"optimizer": "AdamW", "scheduler": {}}, 2)
     return tmp_path / "train"
 
 
@@ -130,22 +135,39 @@ def test_worker_count_may_change_where_the_engine_reshards(tmp_path, strategy, w
     check_resumable(config.parse(experiment(strategy=strategy, workers=resumed)), run_dir)
 
 
-@pytest.mark.parametrize("written,resumed", [("fsdp", "ddp"), ("ddp", "fsdp")])
+@pytest.mark.parametrize("written,resumed", [("fsdp", "ddp"), ("ddp", "fsdp"), ("zero-2", "fsdp"),
+                                             ("ddp", "zero-3"), ("zero-3", "zero-1")])
 def test_another_strategy_resumes_where_both_share_the_format(tmp_path, written, resumed):
-    """ddp and fsdp read each other's checkpoints through the one format; a checkpoint without it (or a
-    strategy that does not share it) is refused, naming the strategy."""
+    """Strategies that share the one format read each other's checkpoints, on any worker count; one that
+    does not share it is refused, naming the strategy."""
     from raytrain_par.driver import check_resumable
     from raytrain_par.errors import UserError
-    from raytrain_par.strategies import state
 
     run_dir = _written(tmp_path, experiment(strategy=written, workers=2))
-    with pytest.raises(UserError, match="strategy: checkpoint"):  # written before the format existed
-        check_resumable(config.parse(experiment(strategy=resumed, workers=1)), run_dir)
-    ckpt = next(run_dir.glob("checkpoint_*"))
-    state.write(ckpt, {}, {"optimizer": "AdamW", "scheduler": {}}, 2)
     check_resumable(config.parse(experiment(strategy=resumed, workers=1)), run_dir)
     with pytest.raises(UserError, match="strategy: checkpoint"):
-        check_resumable(config.parse(experiment(strategy="zero-3", workers=2)), run_dir)
+        check_resumable(config.parse(experiment(strategy=MEGATRON, workers=2)), run_dir)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero-2", "fsdp"])
+def test_a_checkpoint_of_an_earlier_release_is_refused_with_how_to_continue(tmp_path, strategy):
+    """A checkpoint in the engine's own files of an earlier release (no index.json) is refused before any
+    worker starts, by the driver and by the engine alike: start again, or export its weights."""
+    from raytrain_par.driver import check_resumable
+    from raytrain_par.errors import UserError
+
+    run_dir = _written(tmp_path, experiment(strategy=strategy, workers=2))
+    ckpt = next(run_dir.glob("checkpoint_*"))
+    for f in (state.INDEX_FILE, state.OPTIMIZER_FILE):
+        (ckpt / f).unlink()
+    (ckpt / "ddp.pt").write_bytes(b"")
+    for check in (lambda: check_resumable(config.parse(experiment(strategy=strategy, workers=2)), run_dir),
+                  lambda: state.refuse_old_format(ckpt)):
+        with pytest.raises(UserError) as err:
+            check()
+        for words in ("earlier release", "own: ddp.pt)", "no index.json", "fix: start a new run without --resume",
+                      "raytrain-par export RUN_DIR --out DIR", "pretrained: DIR"):
+            assert words in str(err.value)
 
 
 @pytest.mark.parametrize("strategy,written,resumed", [("zero-3", 2, 1), (MEGATRON, 2, 4), (PIPELINE, 4, 2)])
@@ -163,8 +185,10 @@ def test_a_streamed_run_may_change_its_worker_count(tmp_path, strategy, written,
     (experiment(strategy=PIPELINE, workers=2), experiment(strategy={**PIPELINE, "stages": 4, "microbatches": 4}, workers=4),
      ["strategy.stages: checkpoint 2, experiment 4",
       "pipeline checkpoints resume on another scaling.num_workers with the same strategy options"]),
-    (experiment(strategy="zero-2", workers=2), experiment(strategy="zero-3", workers=2),
+    (experiment(strategy="zero-2", workers=2), experiment(strategy=MEGATRON, workers=2),
      ["strategy: checkpoint {'name': 'zero-2'"]),
+    (experiment(strategy="zero-2", workers=2), experiment(strategy="zero-3", workers=2, optimizer="sgd"),
+     ["train.optimizer: checkpoint 'adamw', experiment 'sgd'"]),
     (experiment(workers=2), {**experiment(workers=2), "data": {"name": "kjv", "loader": "stream"}},
      ["data.loader: checkpoint 'memory', experiment 'stream'"]),
 ])
@@ -185,14 +209,14 @@ def test_resume_that_cannot_continue_is_refused_naming_what_differs(tmp_path, wr
 def test_a_strategy_that_cannot_reshard_keeps_its_worker_count(tmp_path, monkeypatch):
     from raytrain_par.driver import check_resumable
     from raytrain_par.errors import UserError
-    from raytrain_par.strategies import ddp
+    from raytrain_par.strategies import pipeline
 
-    monkeypatch.setattr(ddp.Options, "checkpoints_any_workers", False)
-    run_dir = _written(tmp_path, experiment(workers=2))
+    monkeypatch.setattr(pipeline.Options, "checkpoints_any_workers", False)
+    run_dir = _written(tmp_path, experiment(strategy=PIPELINE, workers=2))
     with pytest.raises(UserError) as err:
-        check_resumable(config.parse(experiment(workers=1)), run_dir)
-    assert "scaling.num_workers: checkpoint 2, experiment 1" in str(err.value)
-    assert "ddp checkpoints resume only on the number of workers that wrote them" in str(err.value)
+        check_resumable(config.parse(experiment(strategy=PIPELINE, workers=4)), run_dir)
+    assert "scaling.num_workers: checkpoint 2, experiment 4" in str(err.value)
+    assert "pipeline checkpoints resume only on the number of workers that wrote them" in str(err.value)
 
 
 @pytest.mark.ray

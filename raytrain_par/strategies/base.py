@@ -476,13 +476,19 @@ class Engine(ABC):
         if scaler is not None and "scaler" in index:
             scaler.load_state_dict(index["scaler"])
 
-    @abstractmethod
     def save(self, directory: Path) -> None:
-        """Write this rank's part of a checkpoint into `directory` (a directory of its own)."""
+        """Write this rank's files of a checkpoint into `directory`, for an engine that does not share
+        the one format (one that does writes nothing of its own)."""
+        if not self.shares_format:
+            raise NotImplementedError(f"{type(self).__name__} writes no checkpoint")
 
-    @abstractmethod
     def load(self, directory: Path) -> None:
-        """Restore from a checkpoint directory holding every rank's files."""
+        """Restore from a checkpoint directory holding every rank's files (an engine that does not share
+        the one format); one that does resumes through `load_whole`, and a checkpoint without the
+        format is one this release does not read."""
+        from .state import refuse_old_format
+
+        refuse_old_format(directory)
 
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,7 +21,6 @@ from .layout import Layout
 from .base import Engine
 from .context import DistContext
 from .optim import build_optimizer, lr_factor
-from .weights import load_tensors
 
 
 @dataclass
@@ -124,23 +122,6 @@ class DDPEngine(Engine):
 
     def eval_module(self):
         return self.model
-
-    # Replicated state: rank 0 writes it, every rank reads the same file.
-    def save(self, directory: Path) -> None:
-        if self.ctx.rank == 0:
-            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "scheduler": self.scheduler.state_dict()}
-            if self.scaler:
-                state["scaler"] = self.scaler.state_dict()
-            torch.save(state, directory / "ddp.pt")
-
-    def load(self, directory: Path) -> None:
-        state = load_tensors(directory / "ddp.pt", self.device)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.load_scheduler(state["scheduler"])
-        if self.scaler and "scaler" in state:
-            self.scaler.load_state_dict(state["scaler"])
 
     def full_state_dict(self):
         return self.model.state_dict()

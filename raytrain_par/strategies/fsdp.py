@@ -9,18 +9,17 @@ them (transformers' convention, the same units accelerate wraps), then the root.
 Mixed precision is a MixedPrecisionPolicy: parameters stay fp32 shards (the master weights), the
 all-gathered copies used for compute are bf16, gradients are reduced in fp32.
 
-Checkpoints: every rank writes its own shards (parameters and optimizer state as plain local
-tensors). On the same number of workers each rank reads its own file back. On another number every
-rank reads all of them: a tensor sharded on dim 0 is its ranks' local shards one after the other, so
-the whole tensors are joined and this rank's new shard cut from them (what torch.distributed.checkpoint
-does; its metadata file is a pickle, which these checkpoints never load).
+Checkpoints are the one format (strategies/state.py): every parameter and optimizer state gathered
+to its whole shape by name (a DTensor's `full_tensor`), and cut back into this rank's shard at load
+(`distribute_tensor`, local, no communication), so a run resumes on any number of workers and under
+any strategy that shares the format. (torch.distributed.checkpoint re-shards the same way; its
+metadata file is a pickle, which these checkpoints never load.)
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -33,7 +32,6 @@ from .base import Engine
 from .context import DTYPES, DistContext
 from .offload import check_host_memory
 from .optim import build_optimizer, lr_factor
-from .weights import load_tensors
 
 
 @dataclass
@@ -50,7 +48,7 @@ class Options:
     # memory shared by the workers (set it when workers run on other machines).
     host_memory_gb: Optional[float] = None
 
-    #: a checkpoint resumes on any worker count (the shards are joined and cut again)
+    #: a checkpoint resumes on any worker count (the one format: gathered whole, cut again)
     checkpoints_any_workers = True
 
     def validate(self, spec, error) -> None:
@@ -153,7 +151,7 @@ class FSDPEngine(Engine):
             self.module.set_requires_gradient_sync(not hold)
         return contextlib.nullcontext()
 
-    # -- checkpoints: this rank's shards as plain tensors ----------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------------
     def _params(self) -> list[nn.Parameter]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
@@ -165,33 +163,6 @@ class FSDPEngine(Engine):
         for m in self.module.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
-
-    def save(self, directory: Path) -> None:
-        self._resharded()
-        optim = self.optimizer.state_dict()
-        optim["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in optim["state"].items()}
-        state = {"params": {n: _local(p.detach()) for n, p in self.module.named_parameters()},
-                 "optimizer": optim, "scheduler": self.scheduler.state_dict(), "world_size": self.ctx.world_size}
-        torch.save(state, directory / f"fsdp-rank{self.ctx.rank}.pt")
-
-    def load(self, directory: Path) -> None:
-        saved = len(list(directory.glob("fsdp-rank*.pt")))  # one file per rank that wrote it
-        if saved == self.ctx.world_size:
-            state = load_tensors(directory / f"fsdp-rank{self.ctx.rank}.pt", self.device)
-            local = _like
-        else:
-            state = _joined([torch.load(directory / f"fsdp-rank{r}.pt", map_location="cpu", weights_only=True,
-                                        mmap=True) for r in range(saved)])
-            local = _shard_of
-        self._resharded()
-        params = self._params()
-        with torch.no_grad():
-            for name, p in self.module.named_parameters():
-                _local(p).copy_(_local(local(state["params"][name], p)))
-        optim = state["optimizer"]
-        optim["state"] = {i: {k: local(v, params[int(i)]) for k, v in s.items()} for i, s in optim["state"].items()}
-        self.optimizer.load_state_dict(optim)
-        self.load_scheduler(state["scheduler"])
 
     def full_state_dict(self):
         """Whole tensors on every rank (an all-gather per parameter: every rank calls it)."""
@@ -231,32 +202,6 @@ def _whole(t):
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _like(value: torch.Tensor, param: nn.Parameter):
-    """A saved local optimizer-state tensor -> a DTensor laid out as its parameter (scalars stay)."""
-    if hasattr(param, "to_local") and isinstance(value, torch.Tensor) and value.dim() > 0:
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return value
-
-
-def _joined(ranks: list[dict]) -> dict:
-    """The ranks' files of a checkpoint -> one state of whole tensors: every tensor with dimensions is
-    sharded on dim 0 in rank order (one rank's file holds whole tensors already); scalars (the
-    optimizer's step) are the same on every rank."""
-    def join(values):
-        first = values[0]
-        return torch.cat(values) if isinstance(first, torch.Tensor) and first.dim() > 0 else first
-
-    first = ranks[0]
-    optim = first["optimizer"]
-    return {"params": {n: join([r["params"][n] for r in ranks]) for n in first["params"]},
-            "optimizer": {**optim, "state": {i: {k: join([r["optimizer"]["state"][i][k] for r in ranks]) for k in s}
-                                             for i, s in optim["state"].items()}},
-            "scheduler": first["scheduler"]}
 
 
 def _shard_of(whole, param: nn.Parameter):

@@ -13,8 +13,11 @@ parameters' optimizer states (gathered as its weights are for model.safetensors)
 whole tensors by name and cuts its own slices, as it cuts random weights: so a checkpoint resumes under
 any engine that shares the format, on any number of workers (anchors: DeepSpeed's universal
 checkpoints, one "atom" per parameter at its global shape; torch DCP's re-sharding by global offsets,
-whose metadata is a pickle this project does not load). ddp and fsdp share it; the other engines keep
-their own files until they do.
+whose metadata is a pickle this project does not load). ddp, fsdp and zero-1/2/3 share it; the other
+engines keep their own files until they do.
+
+`save` and `load` are an engine's whole checkpoint, as the training loop (worker.py) writes and reads
+it beside its own loop state.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from .weights import WEIGHTS_FILE, read_weights, write_weights
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 INDEX_FILE = "index.json"
@@ -62,8 +67,61 @@ def read(directory: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     return states, index
 
 
+def old_format(directory: str | Path) -> str | None:
+    """Why a checkpoint directory is one this release does not resume (written before its optimizer
+    state was kept by parameter name, strategies/state.py), or None."""
+    directory = Path(directory)
+    if present(directory):
+        return None
+    own = sorted(f.name for f in directory.glob("*.pt") if not f.name.startswith("rng-"))
+    held = f" (its state is in files of its strategy's own: {', '.join(own)})" if own else ""
+    return (f"{directory} was written by an earlier release: it has no {INDEX_FILE}, so it does not keep "
+            f"the optimizer state by parameter name ({OPTIMIZER_FILE}){held}, and this release resumes only "
+            "checkpoints that do")
+
+
+OLD_FORMAT_FIX = ("start a new run without --resume (the earlier results are kept aside), or keep the trained "
+                  "weights: `raytrain-par export RUN_DIR --out DIR` writes them (they are in every checkpoint's "
+                  "model.safetensors), and `model: {name: causal-lm, pretrained: DIR}` starts a run from them")
+
+
+def refuse_old_format(directory: str | Path) -> None:
+    from ..errors import UserError
+
+    why = old_format(directory)
+    if why:
+        raise UserError(f"{why}.\n  fix: {OLD_FORMAT_FIX}")
+
+
 def _number(value):
     """JSON for what a schedule's or scaler's state holds besides numbers: a 0-dim tensor as its number."""
     if isinstance(value, torch.Tensor) and value.dim() == 0:
         return value.item()
     raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def save(engine, directory: Path, step: int) -> None:
+    """An engine's part of a checkpoint (every rank calls it: the gathers are collectives): rank 0
+    writes the plain model's weights and, where the engine shares the format, the optimizer states and
+    the index; an engine that does not writes its own files too (`Engine.save`)."""
+    engine.save(directory)
+    rank0 = engine.ctx.rank == 0
+    weights = engine.full_state_dict()
+    if rank0:
+        write_weights(weights, directory / WEIGHTS_FILE)
+    del weights
+    if engine.shares_format:
+        states = engine.optimizer_states()
+        if rank0:
+            write(directory, states, engine.format_extras(), step)
+
+
+def load(engine, directory: Path) -> None:
+    """Resume an engine from a checkpoint directory holding every rank's files: by name at whole shapes
+    where it shares the format (written by any engine that does, on any number of workers)."""
+    if engine.shares_format and present(directory):
+        states, index = read(directory)
+        engine.load_whole(read_weights(directory / WEIGHTS_FILE), states)
+        engine.load_format_extras(index)
+    else:
+        engine.load(directory)  # its own files (or, for one that shares the format, a refusal)

@@ -11,18 +11,14 @@ clipping (set explicitly: DeepSpeed's default of 1.0 would clip where the experi
 bf16 / fp16, bucket sizes sized from the model (the defaults, 5e8 elements, are fp32 buffers of
 2 GB) -- and `strategy.deepspeed` overrides any key of it.
 
-Checkpoints: every rank writes its own partition (DeepSpeed's optimizer state dict: fp32 master
-weights and optimizer state), rank 0 the replicated parts, all read back with
-`torch.load(weights_only=True)` (DeepSpeed's own `load_checkpoint` unpickles arbitrary objects).
-Resuming on the same number of workers loads each rank's partition as it was. For another number,
-rank 0 also writes the consolidated state: every parameter's fp32 master weights and optimizer state
-(Adam's moments) whole, by name, gathered at save with DeepSpeed's own per-parameter accessors
-(`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`) and cut into the new partitions at load
-with their setters. DeepSpeed's universal checkpoint (`ds_to_universal`, `load_universal_checkpoint`)
-does the same job from the files `engine.save_checkpoint` writes, but reads them, and its converted
-files, with `torch.load(weights_only=False)`: unpickling arbitrary objects, which these checkpoints
-never do. The consolidated file costs rank 0 host memory and disk of 12 bytes per parameter (fp32
-AdamW) at each checkpoint.
+Checkpoints are the one format (strategies/state.py): the fp32 master weights and every optimizer
+state by the plain model's parameter names at their whole shapes, gathered one parameter at a time
+with DeepSpeed's own per-parameter accessors (`safe_get_full_fp32_param`,
+`safe_get_full_optimizer_state`) and cut into any data-parallel size's partitions at load with their
+setters; so a ZeRO run resumes under any stage, ddp or fsdp, on any number of workers, and they under
+it. DeepSpeed's universal checkpoint (`ds_to_universal`, `load_universal_checkpoint`) does the same
+job from the files `engine.save_checkpoint` writes, but reads them, and its converted files, with
+`torch.load(weights_only=False)`: unpickling arbitrary objects, which these checkpoints never do.
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -47,7 +42,6 @@ from .base import Engine, split_batch
 from .context import DTYPES, DistContext
 from .offload import check_host_memory
 from .optim import build_optimizer, lr_factor
-from .weights import load_tensors
 
 
 @dataclass
@@ -89,8 +83,6 @@ class Options:
 
 
 STAGES = {"zero-1": 1, "zero-2": 2, "zero-3": 3}
-# Rank 0's consolidated copy of the model states, for resuming on another number of workers.
-CONSOLIDATED = "zero-consolidated.pt"
 # Modules `deepspeed.initialize` imports on first use (its optimizer check pulls in a
 # torch.compile'd optimizer, hence torch._inductor): imported before memory is measured.
 LAZY_IMPORTS = ("deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer")
@@ -394,69 +386,37 @@ class ZeroEngine(Engine):
         return model_state_census(params, None, extra_grads=grads, extra_params=extra_params,
                                   extra_optim=[*masters, *(optimizer_tensors(base) if base is not None else [])])
 
-    # -- checkpoints ---------------------------------------------------------------------------
-    def _engine_counters(self) -> dict:
-        return {k: int(getattr(self.module, k)) for k in ("global_steps", "global_samples", "micro_steps",
-                                                           "skipped_steps")}
+    # -- the one checkpoint format (strategies/state.py): one parameter gathered or cut at a time ----
+    shares_format = True
 
-    def save(self, directory: Path) -> None:
-        from deepspeed.checkpoint.constants import PARAM_SLICE_MAPPINGS, UNIVERSAL_CHECKPOINT_INFO
-
-        optimizer = self.optimizer.state_dict()
-        for key in (PARAM_SLICE_MAPPINGS, UNIVERSAL_CHECKPOINT_INFO):  # DeepSpeed's universal-checkpoint
-            optimizer.pop(key, None)  # conversion only, and objects a weights-only load would refuse
-        state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
-                 "engine": self._engine_counters(), "dp_size": self.dp_size}
-        torch.save(state, directory / f"zero-rank{self.dp_rank}.pt")
-        if self.stage < 3 and self.ctx.rank == 0:  # whole (16-bit) parameters, the same on every rank
-            torch.save(self.model.state_dict(), directory / "zero-model.pt")
-        consolidated = self._consolidated()  # a collective: every rank gathers
-        if self.ctx.rank == 0:
-            torch.save(consolidated, directory / CONSOLIDATED)
-
-    def load(self, directory: Path) -> None:
-        saved = len(list(directory.glob("zero-rank*.pt")))  # one partition per data-parallel rank that wrote it
-        if saved != self.dp_size:
-            return self._load_consolidated(directory, saved)
-        state = _load_zero_state(directory / f"zero-rank{self.dp_rank}.pt", self.device)
-        if self.stage < 3:
-            self.model.load_state_dict(load_tensors(directory / "zero-model.pt", self.device))
-        # Only this rank's entry is read when the layout is unchanged (DeepSpeed's "rigid" load).
-        parts = [None] * self.dp_size
-        parts[self.dp_rank] = state["optimizer"]
-        self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
-        self._load_common(state)
-
-    def _load_common(self, state: dict) -> None:
-        self.load_scheduler(state["scheduler"])
-        for k, v in state["engine"].items():
-            setattr(self.module, k, v)
-
-    # -- the consolidated state: whole tensors by name, for another data-parallel size --------------
     def _masters(self) -> list[torch.Tensor]:
         """This rank's flat fp32 partitions: what the experiment's optimizer steps (its state's keys)."""
         opt = self.optimizer
         return list(opt.fp32_partitioned_groups_flat if self.stage == 3 else opt.single_partition_of_fp32_groups)
 
-    def _consolidated(self) -> dict:
-        """Every trainable parameter's fp32 master weights and optimizer state, whole (collectives)."""
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    def optimizer_states(self):
+        """Every trainable parameter's optimizer state at its whole shape, gathered one parameter at a
+        time with DeepSpeed's own accessor (`safe_get_full_optimizer_state`: a collective, so every rank
+        calls it; rank 0 keeps the result). The state lives in flat partitions of many parameters;
+        per-element state (Adam's moments, SGD's momentum) is cut out of them by parameter, scalars (the
+        step) are the same for every partition."""
+        from deepspeed.utils import safe_get_full_optimizer_state
 
-        base = self.optimizer.optimizer
-        first = base.state.get(self._masters()[0], {})
+        first = self.optimizer.optimizer.state.get(self._masters()[0], {})
+        if not first:  # the optimizer has not stepped yet
+            return {}
         self._link_optimizer_state()
-        # per-element state (Adam's moments, SGD's momentum) is gathered; scalars (the step) are the
-        # same for every partition
         keys = sorted(k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        params, moments = {}, {}
+        scalars = {k: v for k, v in first.items() if k not in keys}
+        out = {}
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
                 continue
-            params[name] = safe_get_full_fp32_param(p).detach().reshape(_shape(p)).cpu()
-            moments[name] = {k: safe_get_full_optimizer_state(p, k).detach().reshape(_shape(p)).cpu() for k in keys}
-        scalars = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in first.items() if k not in keys}
-        return {"params": params, "optimizer": moments, "optimizer_keys": keys, "optimizer_scalars": scalars,
-                "lr": [g["lr"] for g in self.optimizer.param_groups]}
+            whole = {k: safe_get_full_optimizer_state(p, k).detach().reshape(_shape(p)).cpu() for k in keys}
+            if self.ctx.rank == 0:
+                out[name] = {**whole, **{k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                                         for k, v in scalars.items()}}
+        return out
 
     def _link_optimizer_state(self) -> None:
         """Stages 1 and 2: point each parameter at its piece of the optimizer's state, which the
@@ -467,44 +427,56 @@ class ZeroEngine(Engine):
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
 
-    def _load_consolidated(self, directory: Path, saved: int) -> None:
-        """Resume a checkpoint written by `saved` data-parallel ranks: this rank's partitions are cut
-        from the whole tensors (DeepSpeed's setters for stages 1 and 2; stage 3's by hand, see
-        `_set_partition`), the 16-bit copies the model computes with are refreshed from them."""
+    def load_whole(self, weights, states):
+        """This rank's partitions cut from whole tensors, one parameter at a time (DeepSpeed's setters
+        for stages 1 and 2; stage 3's by hand, see `_set_partition`); the weights the model computes
+        with (16-bit under mixed precision) are refreshed from the fp32 master weights."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        path = directory / CONSOLIDATED
-        if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: this checkpoint was written by {saved} worker(s) before "
-                                    "ZeRO checkpoints carried their consolidated state; resume it with "
-                                    f"scaling.num_workers={saved}")
-        full = load_tensors(path, torch.device("cpu"))
-        base, keys = self.optimizer.optimizer, full["optimizer_keys"]
-        if keys:  # the optimizer's state, created empty as its first step would
+        base = self.optimizer.optimizer
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        sample = next((states[n] for n, _ in named if n in states), {})
+        keys = sorted(k for k, v in sample.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        if sample:  # the optimizer's state, created empty as its first step would, then filled
             for flat in self._masters():
                 base.state[flat] = {**{k: v.clone() if isinstance(v, torch.Tensor) else v
-                                       for k, v in full["optimizer_scalars"].items()},
+                                       for k, v in sample.items() if k not in keys},
                                     **{k: torch.zeros_like(flat) for k in keys}}
             self._link_optimizer_state()
-        named = [(n, p) for n, p in self.model.named_parameters() if n in full["params"]]
         for name, p in named:
-            value = full["params"][name].to(self.device)
+            value = weights[name].to(self.device, torch.float32)
+            moments = {k: states[name][k].to(self.device, torch.float32) for k in keys}
             if self.stage == 3:
                 self._set_partition(p, value)
-                for k in keys:
-                    self._set_partition(p, full["optimizer"][name][k].to(self.device), k)
+                for k, v in moments.items():
+                    self._set_partition(p, v, k)
             else:
                 safe_set_full_fp32_param(p, value)
-                for k in keys:
-                    safe_set_full_optimizer_state(p, full["optimizer"][name][k].to(self.device), k)
-        self._set_model_weights(named, full["params"])
-        for group, lr in zip(self.optimizer.param_groups, full["lr"]):
-            group["lr"] = lr
-        state = _load_zero_state(directory / "zero-rank0.pt", torch.device("cpu"))
-        for key in ("loss_scaler", "dynamic_loss_scale", "overflow"):  # fp16's loss scale, as DeepSpeed loads it
-            if key in state["optimizer"] and hasattr(self.optimizer, key):
-                setattr(self.optimizer, key, state["optimizer"][key])
-        self._load_common(state)
+                for k, v in moments.items():
+                    safe_set_full_optimizer_state(p, v, k)
+        self._set_model_weights(named, weights)
+
+    def format_extras(self):
+        """The experiment's optimizer (DeepSpeed wraps it), the schedule, and under fp16 DeepSpeed's
+        loss scale under the names torch's GradScaler gives it (so ddp resumes it, and it resumes ddp's)."""
+        out = {"optimizer": type(self.optimizer.optimizer).__name__, "scheduler": self.scheduler.state_dict()}
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if self.train.precision == "fp16" and scaler is not None:
+            factor = float(getattr(scaler, "scale_factor", 2.0))
+            out["scaler"] = {"scale": float(scaler.cur_scale), "growth_factor": factor, "backoff_factor": 1 / factor,
+                             "growth_interval": int(getattr(scaler, "scale_window", 1000)), "_growth_tracker": 0}
+        return out
+
+    def load_format_extras(self, index):
+        self.load_scheduler(index["scheduler"])
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if scaler is not None and "scaler" in index:
+            scaler.cur_scale = index["scaler"]["scale"]
+        # DeepSpeed's step counters, as its engine counts them: accumulation boundaries fall where
+        # micro_steps says, whoever wrote the checkpoint
+        step, accumulation = int(index["step"]), self.train.gradient_accumulation_steps
+        self.module.global_steps, self.module.micro_steps = step, step * accumulation
+        self.module.global_samples = step * self.train.global_batch_size
 
     def _set_partition(self, p: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
         """Stage 3: this rank's piece of the fp32 master weights (`key` None) or optimizer state of `p`.
@@ -561,16 +533,6 @@ def _at_end_of_backward(fn):
 
 def _shape(p: nn.Parameter):
     return getattr(p, "ds_shape", p.shape)
-
-
-def _load_zero_state(path: Path, device: torch.device) -> dict:
-    """DeepSpeed's optimizer state dict holds a few of its own small objects (the loss scaler, the
-    stage enum) beside tensors: allow exactly those, nothing else."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):
-        return torch.load(path, map_location=device, weights_only=True)
 
 
 class Zero1Engine(ZeroEngine):
