@@ -561,7 +561,7 @@ def _validate_elastic(spec: ExperimentSpec) -> None:
     _check(s.resize_interval_s >= 0, "scaling.resize_interval_s", s.resize_interval_s, "must be >= 0",
            "use e.g. 60 (Ray Train's default)")
     options = spec.strategy.options
-    _check(getattr(options, "checkpoints_any_workers", False) or getattr(options, "checkpoints_reshard", False),
+    _check(strategies.engine_class(name, options).shares_format or getattr(options, "checkpoints_any_workers", False),
            "scaling.num_workers", text, f"{name} checkpoints resume only on the number of workers that wrote them, "
            "and a resize resumes the latest checkpoint on another number", "use a fixed number of workers")
     _check(t.checkpoint_every_evals >= 1, "train.checkpoint_every_evals", t.checkpoint_every_evals,

@@ -291,11 +291,10 @@ OPTIMIZER_KEYS = ("train.lr", "train.weight_decay", "train.momentum", "train.bet
 # The schedule's shape: the resumed run's schedule is the experiment's own, continued from the
 # checkpoint's step (a longer run stretches a decaying schedule from there): said, not refused.
 SCHEDULE_KEYS = ("train.max_steps", "train.epochs", "train.lr_schedule", "train.warmup_steps", "train.min_lr_ratio")
-# What a checkpoint must agree on with the experiment that resumes it. A strategy's Options may lift
-# some: `checkpoints_any_workers` (its engine re-shards a checkpoint to another data-parallel size:
-# scaling.num_workers may change, within what its options allow), `checkpoints_reshard` (its engine
-# also re-cuts for other strategy options, e.g. megatron's tensor_parallel: the strategy's options may
-# change too).
+# What a checkpoint must agree on with the experiment that resumes it. Where the engines that wrote and
+# resume it both share the one format (strategies/state.py), the strategy and scaling.num_workers may
+# change; an engine that keeps files of its own lifts scaling.num_workers where its Options say
+# `checkpoints_any_workers` (the checkpoint serves another number of data-parallel replicas).
 RESUME_KEYS = ("model", "data.name", "data.path", "data.format", "data.field", "data.tokenizer", "data.seq_len",
                "data.vocab_size", "data.seed", "data.val_fraction", "strategy",
                "scaling.num_workers", "train.optimizer", "train.global_batch_size", "train.seed", *OPTIMIZER_KEYS)
@@ -323,11 +322,9 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
         if why:
             raise UserError(f"--resume: {why}.\n  fix: {one_format.OLD_FORMAT_FIX}")
     same_strategy = get(written, "strategy.name") == name
-    recut = same_strategy and getattr(options, "checkpoints_reshard", False)
     # both engines read and write the one format (strategies/state.py): any strategy of them, any count
-    shared = _shares_format(get(written, "strategy.name")) and _shares_format(name, options) and \
+    recut = _shares_format(get(written, "strategy.name")) and _shares_format(name, options) and \
         one_format.present(found[-1].parent)
-    recut = recut or shared
     any_workers = recut or (same_strategy and getattr(options, "checkpoints_any_workers", False))
     lifted = {"strategy"} if recut else set()
     if any_workers:

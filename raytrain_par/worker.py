@@ -253,6 +253,8 @@ class Trainer:
         rng = {"torch": torch.get_rng_state()}
         if self.ctx.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
+        if self.engine.rng_state() is not None:
+            rng["engine"] = self.engine.rng_state()
         torch.save(rng, directory / f"rng-rank{self.ctx.rank}.pt")
         if self.ctx.rank == 0:
             meta = {"state": asdict(self.state), "experiment": self.spec.to_dict(), "data": self.info.to_json(),
@@ -272,6 +274,8 @@ class Trainer:
             torch.set_rng_state(rng["torch"])
             if "cuda" in rng and self.ctx.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], self.ctx.device)
+            if "engine" in rng:
+                self.engine.load_rng_state(rng["engine"])
 
 
 class LocalReporter(Reporter):

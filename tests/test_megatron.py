@@ -18,6 +18,7 @@ from raytrain_par.data.loader import MemoryLoader, eval_batches
 from raytrain_par.data.shards import DatasetInfo, read_split
 from raytrain_par.errors import ConfigError
 from raytrain_par.strategies import DistContext
+from raytrain_par.strategies import state as one_format
 
 STEPS = 4
 CLIP = {"gradient_accumulation_steps": 2, "grad_clip": 0.5, "weight_decay": 0.1, "warmup_steps": 2,
@@ -65,8 +66,8 @@ def train(spec_dict, info_dict, steps, attn_dropout=None, checkpoint=None):
     losses = _losses(engine, batches[:steps - 2])
     if checkpoint is not None:
         Path(checkpoint).mkdir(parents=True, exist_ok=True)
-        engine.save(Path(checkpoint))
-        rng = torch.get_rng_state()
+        one_format.save(engine, Path(checkpoint), steps - 2)
+        rng, engine_rng = torch.get_rng_state(), engine.rng_state()
     losses += _losses(engine, batches[steps - 2:])
     out = {"losses": losses, "state": {k: v.clone() for k, v in engine.full_state_dict().items()},
            "memory": engine.memory(),
@@ -74,8 +75,9 @@ def train(spec_dict, info_dict, steps, attn_dropout=None, checkpoint=None):
     if checkpoint is not None:
         torch.distributed.barrier()
         _, _, fresh, _ = _engine(spec_dict, info_dict, steps, attn_dropout)
-        fresh.load(Path(checkpoint))
+        one_format.load(fresh, Path(checkpoint))
         torch.set_rng_state(rng)
+        fresh.load_rng_state(engine_rng)
         out["resumed_losses"] = _losses(fresh, batches[steps - 2:])
     if hasattr(engine, "rng"):
         with engine.rng.fork():
@@ -308,7 +310,7 @@ def test_hybrid_layout_reads_one_slice_per_tensor_parallel_group():
     assert spec.data_parallel_size == 2 and spec.per_worker_batch == 8
 
 
-def test_resume_may_change_the_tensor_parallel_layout_but_not_the_model(tmp_path):
+def test_resume_may_change_the_layout_but_not_the_model(tmp_path):
     import json
 
     from raytrain_par.driver import check_resumable
@@ -318,8 +320,12 @@ def test_resume_may_change_the_tensor_parallel_layout_but_not_the_model(tmp_path
     ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
     ckpt.mkdir(parents=True)
     (ckpt / "loop.json").write_text(json.dumps({"experiment": written}))
-    check_resumable(config.parse(experiment(strategy=megatron(1), workers=1)), tmp_path / "train")
-    for other in (experiment("gpt2-mini", strategy=megatron(2), workers=4), experiment(workers=4)):
+    one_format.write(ckpt, {}, {"optimizer": "AdamW", "scheduler": {}}, 2)
+    for resumed in (experiment(strategy=megatron(1), workers=1), experiment(strategy="zero-3", workers=1),
+                    experiment(strategy={"name": "pipeline", "stages": 2}, workers=2)):
+        check_resumable(config.parse(resumed), tmp_path / "train")
+    for other in (experiment("gpt2-mini", strategy=megatron(2), workers=4),
+                  experiment(strategy={"name": "pipedream", "stages": 2}, workers=4)):
         with pytest.raises(UserError, match="another setup"):
             check_resumable(config.parse(other), tmp_path / "train")
 

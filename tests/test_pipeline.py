@@ -18,6 +18,7 @@ from raytrain_par.data.loader import MemoryLoader, eval_batches
 from raytrain_par.data.shards import DatasetInfo, read_split
 from raytrain_par.errors import ConfigError
 from raytrain_par.strategies import DistContext
+from raytrain_par.strategies import state as one_format
 from raytrain_par.strategies.pipedream import staleness_theory
 from raytrain_par.strategies.stages import partition
 
@@ -118,10 +119,10 @@ def _two_ranks(rank, world, info_dict, info_dict_images, checkpoint_dir):
     straight_losses = run.steps(spec, straight, 0, 4)
     spec, first = run.engine(spec_dict, 4)
     resumed_losses = run.steps(spec, first, 0, 2)
-    first.save(checkpoint_dir)
+    one_format.save(first, checkpoint_dir, 2)
     torch.distributed.barrier()
     spec, second = run.engine(spec_dict, 4)
-    second.load(checkpoint_dir)
+    one_format.load(second, checkpoint_dir)
     resumed_losses += run.steps(spec, second, 2, 2)
     out["resume"] = {"straight": straight_losses, "resumed": resumed_losses,
                      "weights_diff": _state_diff(straight.full_state_dict(), second.full_state_dict())}

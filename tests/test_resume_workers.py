@@ -1,12 +1,13 @@
-"""Resuming on another number of workers: a checkpoint written by N workers continues on M, through the
-worker's own training loop (save, the checkpoint directory, load), and the steps after it train the
-numbers an uninterrupted run trains; `check_resumable` allows exactly those worker counts.
+"""Resuming on another number of workers, and under another strategy or layout: a checkpoint written by N
+workers continues on M, through the worker's own training loop (save, the checkpoint directory, load),
+and the steps after it train the numbers an uninterrupted run trains; `check_resumable` allows exactly
+those.
 
 Each case trains 4 steps on N workers (a checkpoint at steps 2 and 4), then a copy of that run without
 its step-4 checkpoint resumes from step 2 on M workers. The global batch is fixed and the in-memory
 loader draws the same global batches for any worker count, so steps 3 and 4 must match the straight
 run's. One process group per phase (spawning costs seconds): N = 1 runs, N = 2 runs and the resumes
-of the N = 1 runs, the resumes on 1 worker, the resumes on 4."""
+of the N = 1 runs, the resumes on 1 worker, N = 4 runs and the resumes on 4."""
 
 import json
 import shutil
@@ -23,6 +24,7 @@ from raytrain_par.strategies import state
 TRAIN = {"eval_every_steps": 1, "checkpoint_every_evals": 2, "eval_at_start": False, "lr_schedule": "cosine",
          "warmup_steps": 1, "weight_decay": 0.1}
 PIPELINE = {"name": "pipeline", "stages": 2, "schedule": "1f1b", "microbatches": 2}
+PIPEDREAM = {"name": "pipedream", "stages": 2}
 MEGATRON = {"name": "megatron", "tensor_parallel": 2}
 # case: (strategy, workers that write, workers that resume, relative tolerance[, the strategy that resumes])
 CASES = {
@@ -38,7 +40,7 @@ CASES = {
     "pipeline 2->4": (PIPELINE, 2, 4, 1e-5),
     "megatron 2->4": (MEGATRON, 2, 4, 1e-5),
     # PipeDream restarts its pipeline empty on any resume (see pipedream.py): it continues, not identically
-    "pipedream 2->4": ({"name": "pipedream", "stages": 2}, 2, 4, None),
+    "pipedream 2->4": (PIPEDREAM, 2, 4, None),
     # another strategy, through the one format (strategies/state.py): by name at whole shapes
     "fsdp 2 -> ddp 1": ("fsdp", 2, 1, 1e-5, "ddp"),
     "ddp 2 -> fsdp 1": ("ddp", 2, 1, 1e-5, "fsdp"),
@@ -46,6 +48,11 @@ CASES = {
     "zero-2 2 -> ddp 1": ("zero-2", 2, 1, 1e-5, "ddp"),
     "ddp 1 -> zero-3 2": ("ddp", 1, 2, 1e-5, "zero-3"),
     "fsdp 2 -> zero-1 4": ("fsdp", 2, 4, 1e-5, "zero-1"),
+    "megatron T2 2 -> zero-3 1": (MEGATRON, 2, 1, 1e-5, "zero-3"),
+    "1f1b 2 -> megatron T2 2": (PIPELINE, 2, 2, 1e-5, MEGATRON),
+    "zero-2 2 -> gpipe 2": ("zero-2", 2, 2, 1e-5, {**PIPELINE, "schedule": "gpipe"}),
+    "pipeline 2 stages -> 4 stages": (PIPELINE, 2, 4, 1e-5, {**PIPELINE, "stages": 4, "microbatches": 4}),
+    "megatron T2 x P2 4 -> fsdp 4": ({**MEGATRON, "stages": 2}, 4, 4, 1e-5, "fsdp"),
 }
 
 
@@ -90,11 +97,11 @@ def phase(rank, world, info_dict, tmp, straight: list[str], resume: list[str]):
 @pytest.fixture(scope="module")
 def runs(info, tmp_path_factory):
     tmp, kjv = str(tmp_path_factory.mktemp("resume-workers")), info(**KJV)
-    writes = {w: [c for c, v in CASES.items() if v[1] == w] for w in (1, 2)}
+    writes = {w: [c for c, v in CASES.items() if v[1] == w] for w in (1, 2, 4)}
     resumes = {w: [c for c, v in CASES.items() if v[2] == w] for w in (1, 2, 4)}
     straight, resumed = {}, {}
     for world, args in ((1, (writes[1], [])), (2, (writes[2], resumes[2])), (1, ([], resumes[1])),
-                        (4, ([], resumes[4]))):
+                        (4, (writes[4], resumes[4]))):
         out = run_ranks(world, phase, kjv, tmp, *args)[0]
         straight.update(out["straight"])
         resumed.update(out["resumed"])
@@ -136,17 +143,19 @@ def test_worker_count_may_change_where_the_engine_reshards(tmp_path, strategy, w
 
 
 @pytest.mark.parametrize("written,resumed", [("fsdp", "ddp"), ("ddp", "fsdp"), ("zero-2", "fsdp"),
-                                             ("ddp", "zero-3"), ("zero-3", "zero-1")])
+                                             ("ddp", "zero-3"), ("zero-3", "zero-1"), (MEGATRON, "zero-3"),
+                                             (PIPELINE, MEGATRON), ("zero-2", PIPELINE),
+                                             ({**MEGATRON, "stages": 2}, {**PIPELINE, "stages": 4, "microbatches": 4})])
 def test_another_strategy_resumes_where_both_share_the_format(tmp_path, written, resumed):
     """Strategies that share the one format read each other's checkpoints, on any worker count; one that
     does not share it is refused, naming the strategy."""
     from raytrain_par.driver import check_resumable
     from raytrain_par.errors import UserError
 
-    run_dir = _written(tmp_path, experiment(strategy=written, workers=2))
-    check_resumable(config.parse(experiment(strategy=resumed, workers=1)), run_dir)
+    run_dir = _written(tmp_path, experiment(strategy=written, workers=4))
+    check_resumable(config.parse(experiment(strategy=resumed, workers=4)), run_dir)
     with pytest.raises(UserError, match="strategy: checkpoint"):
-        check_resumable(config.parse(experiment(strategy=MEGATRON, workers=2)), run_dir)
+        check_resumable(config.parse(experiment(strategy=PIPEDREAM, workers=4)), run_dir)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero-2", "fsdp"])
@@ -182,10 +191,10 @@ def test_a_streamed_run_may_change_its_worker_count(tmp_path, strategy, written,
 
 
 @pytest.mark.parametrize("written,resumed,words", [
-    (experiment(strategy=PIPELINE, workers=2), experiment(strategy={**PIPELINE, "stages": 4, "microbatches": 4}, workers=4),
+    (experiment(strategy=PIPEDREAM, workers=2), experiment(strategy={**PIPEDREAM, "stages": 4}, workers=4),
      ["strategy.stages: checkpoint 2, experiment 4",
-      "pipeline checkpoints resume on another scaling.num_workers with the same strategy options"]),
-    (experiment(strategy="zero-2", workers=2), experiment(strategy=MEGATRON, workers=2),
+      "pipedream checkpoints resume on another scaling.num_workers with the same strategy options"]),
+    (experiment(strategy="zero-2", workers=2), experiment(strategy=PIPEDREAM, workers=2),
      ["strategy: checkpoint {'name': 'zero-2'"]),
     (experiment(strategy="zero-2", workers=2), experiment(strategy="zero-3", workers=2, optimizer="sgd"),
      ["train.optimizer: checkpoint 'adamw', experiment 'sgd'"]),
@@ -209,14 +218,14 @@ def test_resume_that_cannot_continue_is_refused_naming_what_differs(tmp_path, wr
 def test_a_strategy_that_cannot_reshard_keeps_its_worker_count(tmp_path, monkeypatch):
     from raytrain_par.driver import check_resumable
     from raytrain_par.errors import UserError
-    from raytrain_par.strategies import pipeline
+    from raytrain_par.strategies import pipedream
 
-    monkeypatch.setattr(pipeline.Options, "checkpoints_any_workers", False)
-    run_dir = _written(tmp_path, experiment(strategy=PIPELINE, workers=2))
+    monkeypatch.setattr(pipedream.Options, "checkpoints_any_workers", False)
+    run_dir = _written(tmp_path, experiment(strategy=PIPEDREAM, workers=2))
     with pytest.raises(UserError) as err:
-        check_resumable(config.parse(experiment(strategy=PIPELINE, workers=4)), run_dir)
+        check_resumable(config.parse(experiment(strategy=PIPEDREAM, workers=4)), run_dir)
     assert "scaling.num_workers: checkpoint 2, experiment 4" in str(err.value)
-    assert "pipeline checkpoints resume only on the number of workers that wrote them" in str(err.value)
+    assert "pipedream checkpoints resume only on the number of workers that wrote them" in str(err.value)
 
 
 @pytest.mark.ray

@@ -476,6 +476,14 @@ class Engine(ABC):
         if scaler is not None and "scaler" in index:
             scaler.load_state_dict(index["scaler"])
 
+    def rng_state(self) -> dict | None:
+        """Random state of the engine's own beside torch's (a tensor-parallel rank's dropout stream),
+        kept in this rank's random-state file of a checkpoint."""
+        return None
+
+    def load_rng_state(self, state: dict) -> None:
+        """`rng_state` of the rank of this number that wrote the checkpoint (or of rank 0, where none did)."""
+
     def save(self, directory: Path) -> None:
         """Write this rank's files of a checkpoint into `directory`, for an engine that does not share
         the one format (one that does writes nothing of its own)."""

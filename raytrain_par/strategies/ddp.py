@@ -32,9 +32,6 @@ class Options:
     find_unused_parameters: bool = False
     static_graph: bool = False
 
-    #: a checkpoint (replicated state) resumes on any worker count
-    checkpoints_any_workers = True
-
     def validate(self, spec, error) -> None:
         if self.bucket_cap_mb <= 0:
             error("strategy.bucket_cap_mb", self.bucket_cap_mb, "must be > 0", "use e.g. 25 (PyTorch's default)")

@@ -48,9 +48,6 @@ class Options:
     # memory shared by the workers (set it when workers run on other machines).
     host_memory_gb: Optional[float] = None
 
-    #: a checkpoint resumes on any worker count (the one format: gathered whole, cut again)
-    checkpoints_any_workers = True
-
     def validate(self, spec, error) -> None:
         if spec.train.optimizer == "lamb":
             error("train.optimizer", "lamb", "each worker holds a shard of every tensor, and LAMB scales each "

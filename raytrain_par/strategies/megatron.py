@@ -21,19 +21,17 @@ the same as a single process would; attention dropout, on each rank's own heads,
 per-rank stream (seed + 2718 + tp rank, as Megatron-LM) forked out of the default one, so heads
 on different ranks get independent masks and the default stream advances exactly as with T = 1.
 
-Checkpoints: the first data-parallel replica's T ranks each write their shard (model, optimizer,
-scheduler, attention-dropout stream) with the parameter names of the plain model (under fsdp the
-replicas first gather their slices of it), so a checkpoint does not depend on the data-parallel
-sharding either. A checkpoint
-written with one T loads with another: shards are joined and re-split, parameter by parameter.
+Checkpoints are the one format (strategies/state.py): every weight and optimizer state of the plain
+model whole, by its name (the tensor-parallel shards joined, the vocabulary padding cut off, under
+fsdp first gathered over the replicas), and cut again at load by this run's T, one tensor at a time;
+so a run resumes with another tensor_parallel, data_parallel_sharding, number of workers, or as
+another strategy. Each tensor rank's attention-dropout stream rides in its rank's random state.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -44,16 +42,16 @@ from .. import models
 from ..metrics.memory import SavedActivations
 from ..models import causal_lm
 from ..models.causal_lm import SPLIT_FAMILIES
+from . import state
 from . import tensor_parallel as tp_ops
 from .layout import Layout, check_sharding
 from .pipeline import Schedule
 from .base import Engine
 from .context import DistContext
-from .dtensor import local_tensor, slice_like, sliced_optimizer_state, whole_optimizer_state, whole_tensor
+from .dtensor import local_tensor, slice_like, whole_tensor
 from .optim import build_optimizer, lr_factor
 from .tensor_parallel import TPGroup
-from .tensor_split import TP_RNG_OFFSET, ShapesOnly, gather_shards, join_shards, split_lm
-from .weights import load_tensors
+from .tensor_split import TP_RNG_OFFSET, ShapesOnly, SplitState, gather_shards, split_lm
 
 
 @dataclass
@@ -72,16 +70,6 @@ class Options:
     schedule: Schedule = "1f1b"  # as strategy pipeline's (stages > 1)
     microbatches: Optional[int] = None  # per step and pipeline (default 4 x stages)
     split_points: Optional[list[int]] = None  # layer indices where stages 1.. begin; default: balanced
-
-    @property
-    def checkpoints_reshard(self) -> bool:
-        """A checkpoint loads with another tensor_parallel and worker count (shards are joined and re-cut);
-        with stages, with the same stages and tensor_parallel only."""
-        return self.stages == 1
-
-    @property
-    def checkpoints_any_workers(self) -> bool:
-        return True  # with stages: the first replica's files serve every replica
 
     def pipeline_options(self):
         """The schedule of the stages, as strategy pipeline's options say it."""
@@ -163,7 +151,7 @@ def _count_ddp_allreduce(engine: "MegatronEngine", bucket):
     engine.dp_bytes += bucket.buffer().numel() * bucket.buffer().element_size()
     return allreduce_hook(engine.dp_group, bucket)
 
-class MegatronEngine(Engine):
+class MegatronEngine(SplitState, Engine):
     Options = Options
 
     @classmethod
@@ -280,71 +268,37 @@ class MegatronEngine(Engine):
         # from the first record.
         return {**super().memory(), "mem_activation_bytes": self.activation_bytes, **self.step_comm}
 
-    # -- gathering and re-splitting ----------------------------------------------------------------
-    def _join(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-        return join_shards(name, shards, self.splits, self.vocab_names, self.vocab_size)
-
-    def _cut(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        if name in self.vocab_names:
-            padded = -(-self.vocab_size // self.tp.size) * self.tp.size
-            full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
-        return tp_ops.shard(full, *self.splits[name], self.tp.rank, self.tp.size)
-
     def full_state_dict(self):
         """The plain model's state dict (transformers' names, a tied LM head included), on every rank."""
         return gather_shards(self._shard_state(), self.splits, self.vocab_names, self.vocab_size, self.tp,
                              self.tied_head, self.plain_keys)
-
-    # -- checkpoints -------------------------------------------------------------------------------
-    def _file(self, rank: int, size: int) -> str:
-        return f"megatron-tp{rank}-of-{size}.pt"
 
     def _shard_state(self) -> dict[str, torch.Tensor]:
         """This rank's tensor-parallel shard of the model state, whole over the data-parallel replicas
         (under fsdp an all-gather over them: every rank calls it)."""
         return {k: whole_tensor(v) for k, v in self.model.state_dict().items()}
 
-    def save(self, directory: Path) -> None:
-        optimizer, model = whole_optimizer_state(self.optimizer), self._shard_state()
-        if self.dp_rank != 0:
-            return  # every data-parallel replica holds the same shards
-        order = [self.names[p] for g in self.optimizer.param_groups for p in g["params"]]
-        torch.save({"model": model, "optimizer": optimizer, "optimizer_names": order,
-                    "scheduler": self.scheduler.state_dict(), "rng": self.rng.state, "vocab_size": self.vocab_size},
-                   directory / self._file(self.tp.rank, self.tp.size))
+    # -- the one checkpoint format (strategies/state.py): one parameter gathered or cut at a time ----
+    shares_format = True
 
-    def load(self, directory: Path) -> None:
-        files = sorted(directory.glob("megatron-tp*-of-*.pt"))
-        if not files:
-            raise FileNotFoundError(f"no megatron checkpoint files in {directory}")
-        saved_size = int(re.search(r"-of-(\d+)\.pt$", files[0].name).group(1))
-        if saved_size == self.tp.size:
-            state = load_tensors(directory / self._file(self.tp.rank, saved_size), self.device)
-            self.rng.state = state["rng"].cpu()
-        else:  # written with another T: join every parameter's shards and cut this rank's
-            shards = [load_tensors(directory / self._file(r, saved_size), torch.device("cpu")) for r in range(saved_size)]
-            state = self._resplit(shards)
-        if self.fsdp:  # this replica's slices of the whole shard, laid out as the parameters
-            params = dict(self.model.named_parameters())
-            state["model"] = {k: slice_like(v, params.get(k)) for k, v in state["model"].items()}
-            state["optimizer"] = sliced_optimizer_state(state["optimizer"], self.optimizer)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.load_scheduler(state["scheduler"])
+    def optimizer_states(self):
+        """Each parameter's optimizer state whole: under fsdp gathered over the replicas, then its
+        tensor-parallel shards joined (the per-head cut undone, the vocabulary padding cut off), one
+        tensor at a time (collectives: every rank calls it; rank 0 keeps the result)."""
+        named = [(self.names[p], p) for g in self.optimizer.param_groups for p in g["params"]]
+        return state.gathered(self.optimizer, named, lambda name, t: self.whole_of(name, whole_tensor(t)),
+                              keep=self.ctx.rank == 0)
 
-    def _resplit(self, shards: list[dict]) -> dict:
-        first = shards[0]
+    def load_whole(self, weights, states):
+        params = dict(self.model.named_parameters())
+        self.model.load_state_dict({k: slice_like(self.cut_of(k, weights[k]), params.get(k))
+                                    for k in self.model.state_dict()})
+        for name, p in params.items():
+            if name in states:
+                self.optimizer.state[p] = state.cut(states[name], lambda t: self.piece_of(name, t, p))
 
-        def resplit(name, pieces):
-            return self._cut(name, self._join(name, pieces)) if name in self.splits else pieces[0]
+    def piece_of(self, name: str, whole: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+        """This rank's piece of a whole tensor of parameter `name`, laid out as `param`: its tensor-parallel
+        cut, then, under fsdp, its slice of that (no communication)."""
+        return slice_like(self.cut_of(name, whole).to(local_tensor(param).device), param)
 
-        model = {k: resplit(k, [s["model"][k] for s in shards]) for k in first["model"]}
-        names = first["optimizer_names"]
-        optimizer = {"param_groups": first["optimizer"]["param_groups"], "state": {}}
-        for i, per_param in first["optimizer"]["state"].items():
-            optimizer["state"][i] = {
-                k: resplit(names[i], [s["optimizer"]["state"][i][k] for s in shards])
-                if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                for k, v in per_param.items()}
-        # The attention-dropout streams of another T have no counterpart: this rank keeps its fresh one.
-        return {"model": model, "optimizer": optimizer, "scheduler": first["scheduler"]}

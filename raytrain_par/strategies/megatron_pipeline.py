@@ -25,28 +25,25 @@ embeddings, row-parallel biases; identical on the T ranks) once, the untied copy
 not at all, then summed over the pipeline (and, under fsdp, over the replicas' slices): the shared
 step's norm (base.Engine.global_grad_norm) of this engine's `counted_grads`.
 
-Checkpoints: the first data-parallel replica's P x T ranks each write their stages' shard under the
-plain model's names (under fsdp gathered whole from the replicas' slices first, so the files do not
-depend on the sharding); a run resumes with the same stages, tensor_parallel and
-data_parallel_sharding, on any number of replicas.
+Checkpoints are the one format (strategies/state.py): the stages' weights and optimizer states
+whole by the plain model's names (gathered over the replicas under fsdp, joined over the tensor
+group, gathered over the pipeline), cut again at load by this run's stages and T; so a run resumes
+with other stages, tensor_parallel, schedule or number of workers, or as another strategy.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from .. import models
 from . import tensor_parallel as tp_ops
-from .dtensor import local_tensor, sliced_optimizer_state, whole_optimizer_state
-from .weights import load_tensors
+from .dtensor import local_tensor
 from .megatron import Options
-from .pipeline import PipelineEngine, check_split
+from .pipeline import PipelineEngine
 from .tensor_parallel import TPGroup
-from .tensor_split import (TP_RNG_OFFSET, ShapesOnly, gather_shards, local_logits, padding_of, split_lm,
-                           vocab_parallel_sums)
+from .tensor_split import (TP_RNG_OFFSET, ShapesOnly, SplitState, gather_shards, local_logits, padding_of,
+                           split_lm, vocab_parallel_sums)
 
 
 class VocabParallelHead(nn.Module):
@@ -75,7 +72,7 @@ class _SplitVocabularyTask:
         return vocab_parallel_sums(logits.flatten(0, -2), labels, self.start, self.tp)
 
 
-class MegatronPipelineEngine(PipelineEngine):
+class MegatronPipelineEngine(SplitState, PipelineEngine):
     """Strategy megatron with `stages > 1` (megatron's Options choose it: `Options.engine`)."""
 
     Options = Options
@@ -140,28 +137,3 @@ class MegatronPipelineEngine(PipelineEngine):
         tensor group (every rank)."""
         return gather_shards(self.pipe.full_state_dict(), self.splits, self.vocab_names, self.vocab_size, self.tp,
                              self.tied_head, self.plain_keys)
-
-    def _file(self, directory: Path) -> Path:
-        p, t = self.placement.pp_rank, self.placement.tp_rank
-        return Path(directory) / f"megatron-pp{p}-tp{t}-of-{self.layout.pipeline}x{self.layout.tensor}.pt"
-
-    def save(self, directory: Path) -> None:
-        model, optimizer = self.pipe.state_dict(), whole_optimizer_state(self.optimizer)  # every replica: gathers
-        if self.dp_rank == 0:
-            torch.save({"split": self.pipe.split, "stages": self.pipe.S, "model": model, "optimizer": optimizer,
-                        "scheduler": self.scheduler.state_dict(), "rng": self.rng.state}, self._file(directory))
-
-    def load(self, directory: Path) -> None:
-        path = self._file(directory)
-        if not path.exists():
-            written = sorted(p.name for p in Path(directory).glob("megatron-*.pt"))
-            held = ", ".join(written) or "no megatron files"
-            raise FileNotFoundError(f"{path} is missing (the checkpoint holds {held}): "
-                                    f"resume with the stages and tensor_parallel it was written with; only the "
-                                    "number of data-parallel replicas may change")
-        state = load_tensors(path, self.device)
-        check_split(state, self.pipe)
-        self.pipe.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(sliced_optimizer_state(state["optimizer"], self.optimizer))
-        self.load_scheduler(state["scheduler"])
-        self.rng.state = state["rng"].cpu()

@@ -54,6 +54,7 @@ until its backward pass (counted in `mem_activation_bytes`). fp16 is refused (no
 from __future__ import annotations
 
 import math
+import re
 import time
 import weakref
 from collections import deque
@@ -502,8 +503,6 @@ class PipeDreamEngine(Engine):
             torch.save(state, self._file(directory))
 
     def load(self, directory: Path) -> None:
-        from .pipeline import check_split, stage_file
-
         state = load_tensors(stage_file(self._file(directory), self.pipe), self.device)
         check_split(state, self.pipe)
         self.pipe.load_state_dict(state["model"])
@@ -530,3 +529,20 @@ class _Params(nn.Module):
     def __init__(self, params: list[nn.Parameter]):
         super().__init__()
         self.params = nn.ParameterList(params)
+
+
+def stage_file(path: Path, pipe) -> Path:
+    """The file of this pipeline rank's stages (written by its first replica, read by every replica)."""
+    if not path.exists():
+        written = len(list(path.parent.glob(re.sub(r"\d+\.pt$", "*.pt", path.name))))
+        raise FileNotFoundError(f"{path} is missing: the checkpoint holds the stages of {written} pipeline ranks, "
+                                f"this run has {pipe.P}; resume with the strategy's stages unchanged "
+                                f"(strategy.stages: {written}); the number of workers may change in steps of it")
+    return path
+
+
+def check_split(state: dict, pipe) -> None:
+    if state["split"] != pipe.split or state["stages"] != pipe.S:
+        raise ValueError(f"the checkpoint holds {state['stages']} stages split at layers {state['split']}, "
+                         f"this run has {pipe.S} split at {pipe.split}: resume with the same strategy "
+                         f"options (set strategy.split_points: {state['split']})")

@@ -41,10 +41,8 @@ time a rank was not computing (idle while waiting for its neighbours), to set ag
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Optional
 
 import torch
@@ -55,9 +53,9 @@ from ..metrics.memory import (SavedActivations, Sharding, StateBytes, model_stat
                               optimizer_state_bytes)
 from .base import Engine
 from .context import DistContext
-from .dtensor import local_tensor, sliced_optimizer_state, whole_optimizer_state
+from . import state
+from .dtensor import local_tensor, slice_like, whole_tensor
 from .optim import build_optimizer, lr_factor
-from .weights import load_tensors
 from .layout import Layout, check_sharding
 from .stages import Busy, Interval, Pipeline, validate_layout
 
@@ -86,10 +84,6 @@ class Options:
     # How a stage's data-parallel replicas hold it: `none` replicates it (gradients all-reduced), `fsdp`
     # shards it over them with FSDP2 (parameters, gradients and optimizer state / D per worker)
     data_parallel_sharding: str = "none"
-
-    #: a checkpoint resumes with another number of data-parallel replicas (the same stages): every
-    #: replica's stages are the same, so the first replica's files serve them all
-    checkpoints_any_workers = True
 
     @property
     def num_microbatches(self) -> int:
@@ -359,39 +353,38 @@ class PipelineEngine(Engine):
         out["bubble_theory"] = self.pipeline_options.bubble_theory()
         return out
 
-    # -- checkpoints: each pipeline rank writes its stages (the first replica; the others are equal) --
-    def _file(self, directory: Path) -> Path:
-        return Path(directory) / f"pipeline-rank{self.pipe.pp_rank}.pt"
+    # -- the one checkpoint format (strategies/state.py) -------------------------------------------
+    shares_format = True
 
-    def save(self, directory: Path) -> None:
-        model, optimizer = self.pipe.state_dict(), whole_optimizer_state(self.optimizer)  # every replica: gathers
-        if self.pipe.dp_rank == 0:
-            torch.save({"split": self.pipe.split, "stages": self.pipe.S, "model": model, "optimizer": optimizer,
-                        "scheduler": self.scheduler.state_dict()}, self._file(directory))
+    def whole_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A tensor of parameter `name` whole from this rank's piece, after FSDP's gather (megatron's
+        stages: their tensor-parallel shards joined, tensor_split.SplitState)."""
+        return t
 
-    def load(self, directory: Path) -> None:
-        state = load_tensors(stage_file(self._file(directory), self.pipe), self.device)
-        check_split(state, self.pipe)
-        self.pipe.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(sliced_optimizer_state(state["optimizer"], self.optimizer))
-        self.load_scheduler(state["scheduler"])
+    def cut_of(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        return whole
+
+    def optimizer_states(self):
+        """Each pipeline rank's stages' optimizer states whole by the plain model's names (under fsdp
+        gathered over the replicas, one tensor at a time), then gathered over the pipeline to rank 0.
+        An untied copy of a tied parameter steps with the same gradient as its original: it is left out,
+        as the plain model holds the tensor once."""
+        named = [(name, p) for name, p, copy in self.pipe.plain_parameters() if not copy]
+        writes = self.placement.dp_rank == 0 and self.placement.tp_rank == 0  # rank 0's pipeline
+        mine = state.gathered(self.optimizer, named, lambda name, t: self.whole_of(name, whole_tensor(t)), writes)
+        out: dict = {}
+        if writes:
+            for part in self.pipe.gather(mine):
+                out.update(part)
+        return out if self.ctx.rank == 0 else {}
+
+    def load_whole(self, weights, states):
+        self.pipe.load_plain(weights, self.cut_of)
+        for name, p, _ in self.pipe.plain_parameters():
+            if name in states:
+                self.optimizer.state[p] = state.cut(states[name], lambda t: slice_like(
+                    self.cut_of(name, t).to(local_tensor(p).device), p))
 
     def full_state_dict(self):
         return self.pipe.full_state_dict()
 
-
-def stage_file(path: Path, pipe: Pipeline) -> Path:
-    """The file of this pipeline rank's stages (written by its first replica, read by every replica)."""
-    if not path.exists():
-        written = len(list(path.parent.glob(re.sub(r"\d+\.pt$", "*.pt", path.name))))
-        raise FileNotFoundError(f"{path} is missing: the checkpoint holds the stages of {written} pipeline ranks, "
-                                f"this run has {pipe.P}; resume with the strategy's stages unchanged "
-                                f"(strategy.stages: {written}); the number of workers may change in steps of it")
-    return path
-
-
-def check_split(state: dict, pipe: Pipeline) -> None:
-    if state["split"] != pipe.split or state["stages"] != pipe.S:
-        raise ValueError(f"the checkpoint holds {state['stages']} stages split at layers {state['split']}, "
-                         f"this run has {pipe.S} split at {pipe.split}: resume with the same strategy "
-                         f"options (set strategy.split_points: {state['split']})")

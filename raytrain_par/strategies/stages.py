@@ -325,6 +325,21 @@ class Pipeline:
             module.load_state_dict({local: slice_like(state[orig], params.get(local))
                                     for local, orig in self.names[s].items()})
 
+    def plain_parameters(self) -> list[tuple[str, nn.Parameter, bool]]:
+        """This rank's parameters by the plain model's names: (name, parameter, whether it is an untied
+        copy); a copy goes by its original's name, the one the plain model holds the tensor under."""
+        copies = {(s, local): tie.name for tie in self.ties for s, local in tie.copies}
+        return [(copies.get((s, local)) or self.names[s][local], p, (s, local) in copies)
+                for s, module in self.modules.items() for local, p in module.named_parameters()]
+
+    def load_plain(self, weights: dict[str, torch.Tensor], cut: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        """This rank's stages from the plain model's whole weights, `cut(name, tensor)` taking this rank's
+        piece of one (then sliced as a sharded stage holds it); an untied copy from its original."""
+        copies = {(s, local): tie.name for tie in self.ties for s, local in tie.copies}
+        self.load_state_dict({orig: cut(source, weights[source]) for s in self.modules
+                              for local, orig in self.names[s].items()
+                              for source in [copies.get((s, local)) or orig]})
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict, gathered from the stages of this rank's pipeline (every rank)."""
         mine = {k: v.detach().cpu() for k, v in self.state_dict().items()}

@@ -67,6 +67,29 @@ def read(directory: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
     return states, index
 
 
+
+def gathered(optimizer: torch.optim.Optimizer, named, whole, keep: bool) -> dict[str, dict]:
+    """The optimizer states of `named` ((plain name, parameter) pairs) whole, by name: `whole(name, t)`
+    makes one state tensor whole from this rank's piece (collectives: every rank calls it, in the same
+    order), one tensor at a time; the result is kept where `keep` (the rank that writes it)."""
+    out = {}
+    for name, p in named:
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        states = {k: whole(name, v).detach().cpu() if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                  for k, v in state.items()}
+        if keep:
+            out[name] = states
+    return out
+
+
+def cut(states: dict, piece) -> dict:
+    """One parameter's whole optimizer states -> this rank's: `piece(t)` cuts a whole tensor as the
+    parameter's weight is cut; scalars (the step) stay."""
+    return {k: piece(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else
+            v.clone() if isinstance(v, torch.Tensor) else v for k, v in states.items()}
+
 def old_format(directory: str | Path) -> str | None:
     """Why a checkpoint directory is one this release does not resume (written before its optimizer
     state was kept by parameter name, strategies/state.py), or None."""

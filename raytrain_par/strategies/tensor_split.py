@@ -200,16 +200,52 @@ def gather_shards(state: dict[str, torch.Tensor], splits: dict, vocab_names: set
                   tied_head: str | None, plain_keys: list[str]) -> dict[str, torch.Tensor]:
     """The plain model's state dict from this rank's shard of it (named as the plain model's), split
     parameters gathered over the tensor-parallel group (a collective), in the plain model's order."""
-    out = {}
-    for name, p in state.items():
-        if name in splits and tp.size > 1:
-            shards = [torch.empty_like(p) for _ in range(tp.size)]
-            dist.all_gather(shards, p.contiguous(), group=tp.group)
-            out[name] = join_shards(name, shards, splits, vocab_names, vocab_size)
-        elif name in vocab_names:
-            out[name] = p[:vocab_size]
-        else:
-            out[name] = p
+    out = {name: _whole(name, p, splits, vocab_names, vocab_size, tp) for name, p in state.items()}
     if tied_head:
         out[tied_head] = out[next(iter(vocab_names))]
     return {k: out[k] for k in plain_keys}
+
+
+def _whole(name: str, t: torch.Tensor, splits: dict, vocab_names: set, vocab_size: int, tp: TPGroup) -> torch.Tensor:
+    if name in splits and tp.size > 1:
+        shards = [torch.empty_like(t) for _ in range(tp.size)]
+        dist.all_gather(shards, t.contiguous(), group=tp.group)
+        return join_shards(name, shards, splits, vocab_names, vocab_size)
+    return t[:vocab_size] if name in vocab_names else t
+
+
+class SplitState:
+    """A tensor of the plain model from this rank's shard of it and back, by the plain model's name, and
+    the attention-dropout stream, for the engines that hold a split model (megatron.py,
+    megatron_pipeline.py: their `splits`, `vocab_names`, `vocab_size`, `tp` and `rng`). Used one tensor
+    at a time by checkpoints (strategies/state.py): a weight or any optimizer state of it is cut as the
+    weight is."""
+
+    splits: dict
+    vocab_names: set
+    vocab_size: int
+    tp: TPGroup
+    rng: tp_ops.ParallelRNG
+
+    def whole_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Whole from this rank's shard (a collective over the tensor-parallel group for a split tensor)."""
+        return _whole(name, t, self.splits, self.vocab_names, self.vocab_size, self.tp)
+
+    def cut_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole tensor (no communication): Megatron's cut, the vocabulary padded
+        to a multiple of T."""
+        if name not in self.splits:
+            return full
+        if name in self.vocab_names:
+            padded = -(-self.vocab_size // self.tp.size) * self.tp.size
+            full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
+        return tp_ops.shard(full, *self.splits[name], self.tp.rank, self.tp.size)
+
+    def rng_state(self):
+        return {"tp_rank": self.tp.rank, "tp_size": self.tp.size, "state": self.rng.state}
+
+    def load_rng_state(self, saved):
+        """The attention-dropout stream of this tensor rank; a stream of another T has no counterpart
+        (this rank keeps its fresh one)."""
+        if (saved["tp_rank"], saved["tp_size"]) == (self.tp.rank, self.tp.size):
+            self.rng.state = saved["state"].cpu()

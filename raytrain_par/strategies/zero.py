@@ -60,9 +60,6 @@ class Options:
     # {reduce_bucket_size: 2.0e+7}}); DeepSpeed's own config classes check it.
     deepspeed: dict = field(default_factory=dict)
 
-    #: a checkpoint resumes on any worker count (its consolidated state is re-partitioned)
-    checkpoints_any_workers = True
-
     def validate(self, spec, error) -> None:
         stage = STAGES[spec.strategy.name]
         if spec.train.optimizer == "lamb":
