@@ -556,14 +556,10 @@ def _validate_layout(spec: ExperimentSpec) -> None:
 def _validate_elastic(spec: ExperimentSpec) -> None:
     """An elastic range: Ray Train may run it on any count in [MIN, MAX] (as many workers as the cluster
     has room for), and each resize resumes the latest checkpoint on the new count."""
-    s, t, name = spec.scaling, spec.train, spec.strategy.name
+    s, t = spec.scaling, spec.train
     text = [s.min_workers, s.num_workers]
     _check(s.resize_interval_s >= 0, "scaling.resize_interval_s", s.resize_interval_s, "must be >= 0",
            "use e.g. 60 (Ray Train's default)")
-    options = spec.strategy.options
-    _check(strategies.engine_class(name, options).shares_format or getattr(options, "checkpoints_any_workers", False),
-           "scaling.num_workers", text, f"{name} checkpoints resume only on the number of workers that wrote them, "
-           "and a resize resumes the latest checkpoint on another number", "use a fixed number of workers")
     _check(t.checkpoint_every_evals >= 1, "train.checkpoint_every_evals", t.checkpoint_every_evals,
            "an elastic run resizes by restarting from its latest checkpoint, and this run writes none",
            "use 1 (a checkpoint at every evaluation)")

@@ -291,18 +291,18 @@ OPTIMIZER_KEYS = ("train.lr", "train.weight_decay", "train.momentum", "train.bet
 # The schedule's shape: the resumed run's schedule is the experiment's own, continued from the
 # checkpoint's step (a longer run stretches a decaying schedule from there): said, not refused.
 SCHEDULE_KEYS = ("train.max_steps", "train.epochs", "train.lr_schedule", "train.warmup_steps", "train.min_lr_ratio")
-# What a checkpoint must agree on with the experiment that resumes it. Where the engines that wrote and
-# resume it both share the one format (strategies/state.py), the strategy and scaling.num_workers may
-# change; an engine that keeps files of its own lifts scaling.num_workers where its Options say
-# `checkpoints_any_workers` (the checkpoint serves another number of data-parallel replicas).
+# What a checkpoint must agree on with the experiment that resumes it (the strategy and
+# scaling.num_workers may change: strategies/state.py).
 RESUME_KEYS = ("model", "data.name", "data.path", "data.format", "data.field", "data.tokenizer", "data.seq_len",
-               "data.vocab_size", "data.seed", "data.val_fraction", "strategy",
-               "scaling.num_workers", "train.optimizer", "train.global_batch_size", "train.seed", *OPTIMIZER_KEYS)
+               "data.vocab_size", "data.seed", "data.val_fraction", "train.optimizer", "train.global_batch_size",
+               "train.seed", *OPTIMIZER_KEYS)
 
 
 def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
-    """Refuse, before any worker starts, to resume from checkpoints of another model, layout or
-    optimizer settings; say (through `log`) where the learning-rate schedule changes."""
+    """Refuse, before any worker starts, to resume from checkpoints of another model, data or optimizer
+    settings, or of an earlier release's format; say (through `log`) where the learning-rate schedule
+    changes. The strategy, its options and the number of workers may change: a checkpoint holds every
+    tensor whole by the plain model's names (strategies/state.py)."""
     import json
 
     found = sorted(run_dir.glob("checkpoint_*/loop.json"))
@@ -316,40 +316,19 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
             d = d.get(p) if isinstance(d, dict) else None
         return d
 
-    options, name = spec.strategy.options, spec.strategy.name
-    if _shares_format(get(written, "strategy.name")):  # a strategy that writes only the one format now
-        why = one_format.old_format(found[-1].parent)
-        if why:
-            raise UserError(f"--resume: {why}.\n  fix: {one_format.OLD_FORMAT_FIX}")
-    same_strategy = get(written, "strategy.name") == name
-    # both engines read and write the one format (strategies/state.py): any strategy of them, any count
-    recut = _shares_format(get(written, "strategy.name")) and _shares_format(name, options) and \
-        one_format.present(found[-1].parent)
-    any_workers = recut or (same_strategy and getattr(options, "checkpoints_any_workers", False))
-    lifted = {"strategy"} if recut else set()
-    if any_workers:
-        lifted.add("scaling.num_workers")
+    why = one_format.old_format(found[-1].parent)
+    if why:
+        raise UserError(f"--resume: {why}.\n  fix: {one_format.OLD_FORMAT_FIX}")
     diffs, notes = [], []
     loader = data_sets.loader_of(get(written, "data.name"), get(written, "data.loader"))
     if loader != spec.data.effective_loader:  # the defaults differ by data set: compare what ran
         diffs.append(f"data.loader: checkpoint {loader!r}, experiment {spec.data.effective_loader!r}: the two "
                      "loaders draw the rows of a step in different orders")
-    for key in RESUME_KEYS:
-        was, is_ = get(written, key), get(now, key)
-        if key in lifted or was == is_:
-            continue
-        if key == "strategy" and same_strategy:  # name the options that differ
-            diffs += [f"strategy.{k}: checkpoint {was.get(k)!r}, experiment {is_.get(k)!r}"
-                      for k in sorted(set(was) | set(is_)) if was.get(k) != is_.get(k)]
-        else:
-            diffs.append(f"{key}: checkpoint {was!r}, experiment {is_!r}")
-        if key == "scaling.num_workers":
-            notes.append(f"{name} checkpoints resume only on the number of workers that wrote them")
+    diffs += [f"{key}: checkpoint {get(written, key)!r}, experiment {get(now, key)!r}" for key in RESUME_KEYS
+              if get(written, key) != get(now, key)]
     if any(get(written, key) != get(now, key) for key in OPTIMIZER_KEYS):
         notes.append("the checkpoints' optimizer state holds the learning rate and optimizer settings it was "
                      "written with: a new value would not take effect")
-    if any_workers and not recut and any(d.startswith("strategy.") for d in diffs):
-        notes.append(f"{name} checkpoints resume on another scaling.num_workers with the same strategy options")
     changed = [f"{key} {get(written, key)!r} -> {get(now, key)!r}" for key in SCHEDULE_KEYS
                if get(written, key) != get(now, key)]
     if changed and not diffs and log is not None:
@@ -360,15 +339,6 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
                         + "\n    ".join(diffs) + "".join(f"\n  note: {n}" for n in notes)
                         + "\n  fix: resume with the settings the run started with, or "
                         "start a new run without --resume (the earlier results are kept aside)")
-
-
-def _shares_format(name, options=None) -> bool:
-    from . import strategies
-
-    try:
-        return bool(strategies.engine_class(name, options).shares_format)
-    except Exception:  # a strategy this release does not know (an older checkpoint's): it does not
-        return False
 
 
 def check_prepared(spec: ExperimentSpec, info: DatasetInfo) -> None:

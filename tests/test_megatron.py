@@ -322,10 +322,11 @@ def test_resume_may_change_the_layout_but_not_the_model(tmp_path):
     (ckpt / "loop.json").write_text(json.dumps({"experiment": written}))
     one_format.write(ckpt, {}, {"optimizer": "AdamW", "scheduler": {}}, 2)
     for resumed in (experiment(strategy=megatron(1), workers=1), experiment(strategy="zero-3", workers=1),
-                    experiment(strategy={"name": "pipeline", "stages": 2}, workers=2)):
+                    experiment(strategy={"name": "pipeline", "stages": 2}, workers=2),
+                    experiment(strategy={"name": "pipedream", "stages": 2}, workers=2)):
         check_resumable(config.parse(resumed), tmp_path / "train")
     for other in (experiment("gpt2-mini", strategy=megatron(2), workers=4),
-                  experiment(strategy={"name": "pipedream", "stages": 2}, workers=4)):
+                  experiment(strategy={"name": "pipedream", "stages": 2}, workers=4, optimizer="sgd")):
         with pytest.raises(UserError, match="another setup"):
             check_resumable(config.parse(other), tmp_path / "train")
 

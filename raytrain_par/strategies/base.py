@@ -357,8 +357,10 @@ class Engine(ABC):
         run's schedule: the optimizer state restored beside it holds the rate the checkpoint's own
         schedule set, which a resume that changes the schedule (max_steps, warm-up, shape) would
         otherwise train its first step with."""
-        self.scheduler.load_state_dict(state)
         s = self.scheduler
+        # the place only: the rates come from the experiment (train.lr cannot change on resume), the
+        # same whichever engine wrote the checkpoint
+        s.last_epoch, s._step_count = state["last_epoch"], state.get("_step_count", state["last_epoch"] + 1)
         s._last_lr = [base * factor(s.last_epoch) for base, factor in zip(s.base_lrs, s.lr_lambdas)]
         for group, lr in zip(s.optimizer.param_groups, s._last_lr):
             group["lr"] = lr
@@ -448,26 +450,23 @@ class Engine(ABC):
         out["mem_peak_bytes"] = peak_bytes(self.device)
         return out
 
-    # -- checkpoints ---------------------------------------------------------------------------
-    #: whether this engine's checkpoints carry the one format (strategies/state.py) and resume from it:
-    #: it supplies `optimizer_states` and `load_whole`
-    shares_format: bool = False
-
+    # -- checkpoints: the one format (strategies/state.py) ----------------------------------------
+    @abstractmethod
     def optimizer_states(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every parameter's optimizer state by the plain model's parameter name, whole tensors at the
-        parameter's global shape, on every rank (gathered where sharded: every rank calls it)."""
-        raise NotImplementedError(f"{type(self).__name__} does not write the one checkpoint format yet")
+        parameter's global shape, on rank 0 (gathered where sharded, one tensor at a time: every rank
+        calls it; the other ranks may return nothing)."""
 
+    @abstractmethod
     def load_whole(self, weights: dict[str, torch.Tensor], states: dict[str, dict[str, torch.Tensor]]) -> None:
         """The inverse: whole weights and optimizer states by name -> this rank's slices of them, cut as
         the engine cuts a parameter's weight."""
-        raise NotImplementedError(f"{type(self).__name__} does not read the one checkpoint format yet")
 
     def format_extras(self) -> dict:
-        """What index.json holds beside the tensors: the optimizer's class, the schedule's and the loss
-        scaler's state."""
+        """What index.json holds beside the tensors: the optimizer's class and hyper-parameters, the
+        schedule's place and the loss scaler's state."""
         scaler = getattr(self, "scaler", None)
-        return {"optimizer": type(self.optimizer).__name__, "scheduler": self.scheduler.state_dict(),
+        return {**optimizer_description(self.optimizer), "scheduler": self.scheduler.state_dict(),
                 **({"scaler": scaler.state_dict()} if scaler is not None else {})}
 
     def load_format_extras(self, index: dict) -> None:
@@ -484,20 +483,18 @@ class Engine(ABC):
     def load_rng_state(self, state: dict) -> None:
         """`rng_state` of the rank of this number that wrote the checkpoint (or of rank 0, where none did)."""
 
-    def save(self, directory: Path) -> None:
-        """Write this rank's files of a checkpoint into `directory`, for an engine that does not share
-        the one format (one that does writes nothing of its own)."""
-        if not self.shares_format:
-            raise NotImplementedError(f"{type(self).__name__} writes no checkpoint")
-
-    def load(self, directory: Path) -> None:
-        """Restore from a checkpoint directory holding every rank's files (an engine that does not share
-        the one format); one that does resumes through `load_whole`, and a checkpoint without the
-        format is one this release does not read."""
-        from .state import refuse_old_format
-
-        refuse_old_format(directory)
-
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict (gathered where it is sharded), on every rank."""
+
+
+def optimizer_description(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's class and each parameter group's hyper-parameters (numbers, flags), for index.json."""
+    plain = (int, float, bool, str, type(None))
+
+    def kept(v):
+        return isinstance(v, plain) or isinstance(v, (tuple, list)) and all(isinstance(x, plain) for x in v)
+
+    return {"optimizer": type(optimizer).__name__,
+            "hyperparameters": [{k: v for k, v in g.items() if k != "params" and kept(v)}
+                                for g in optimizer.param_groups]}

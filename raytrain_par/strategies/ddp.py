@@ -124,8 +124,6 @@ class DDPEngine(Engine):
         return self.model.state_dict()
 
     # -- the one checkpoint format (strategies/state.py): every rank holds whole tensors ------------
-    shares_format = True
-
     def optimizer_states(self):
         names = {id(p): n for n, p in self.model.named_parameters()}
         return {names[id(p)]: dict(self.optimizer.state[p]) for g in self.optimizer.param_groups

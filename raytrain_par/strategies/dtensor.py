@@ -1,24 +1,9 @@
-"""Tensors sharded by FSDP2 (DTensors) and plain ones alike: this rank's slice, the whole tensor, and
-optimizer states gathered whole or cut into this rank's slices (for checkpoints that do not depend
-on the sharding)."""
+"""Tensors sharded by FSDP2 (DTensors) and plain ones alike: this rank's slice, the whole tensor, and a
+whole tensor cut into this rank's slice (for checkpoints that do not depend on the sharding)."""
 
 from __future__ import annotations
 
 import torch
-
-
-def whole_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's state dict with sharded states gathered whole (a collective over their mesh)."""
-    state = optimizer.state_dict()
-    state["state"] = {i: {k: whole_tensor(v) for k, v in s.items()} for i, s in state["state"].items()}
-    return state
-
-
-def sliced_optimizer_state(state: dict, optimizer: torch.optim.Optimizer) -> dict:
-    """A whole optimizer state dict cut into this rank's slices of the optimizer's sharded parameters."""
-    order = [p for g in optimizer.param_groups for p in g["params"]]
-    state["state"] = {i: {k: slice_like(v, order[int(i)]) for k, v in s.items()} for i, s in state["state"].items()}
-    return state
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -172,8 +172,6 @@ class FSDPEngine(Engine):
         return out
 
     # -- the one checkpoint format (strategies/state.py): shards gathered and cut by name -----------
-    shares_format = True
-
     def optimizer_states(self):
         """An all-gather per state tensor, in the optimizer's parameter order (the same on every rank)."""
         self._resharded()

@@ -279,8 +279,6 @@ class MegatronEngine(SplitState, Engine):
         return {k: whole_tensor(v) for k, v in self.model.state_dict().items()}
 
     # -- the one checkpoint format (strategies/state.py): one parameter gathered or cut at a time ----
-    shares_format = True
-
     def optimizer_states(self):
         """Each parameter's optimizer state whole: under fsdp gathered over the replicas, then its
         tensor-parallel shards joined (the per-head cut undone, the vocabulary padding cut off), one

@@ -54,12 +54,10 @@ until its backward pass (counted in `mem_activation_bytes`). fp16 is refused (no
 from __future__ import annotations
 
 import math
-import re
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Optional
 
 import torch
@@ -68,10 +66,9 @@ from torch import nn
 from torch.func import functional_call
 
 from ..metrics.memory import SavedActivations, Sharding, StateBytes, model_state_theory, optimizer_state_bytes
-from .base import Engine, split_batch
+from .base import Engine, optimizer_description, split_batch
 from .context import DistContext
 from .optim import build_optimizer, lr_factor
-from .weights import load_tensors
 from .layout import Layout
 from .stages import Busy, Interval, Pipeline, validate_layout
 
@@ -85,10 +82,6 @@ class Options:
     weight_versions: Optional[Literal[2]] = None  # None: a stashed version per minibatch in flight; 2: PipeDream-2BW
     split_points: Optional[list[int]] = None  # layer indices where stages 1.. begin; default: balanced
     balance: Literal["flops", "params"] = "flops"  # what the automatic split balances
-
-    #: a checkpoint resumes with another number of data-parallel replicas (the same stages): every
-    #: replica's stages are the same, so the first replica's files serve them all
-    checkpoints_any_workers = True
 
     @property
     def num_microbatches(self) -> int:
@@ -490,33 +483,32 @@ class PipeDreamEngine(Engine):
         """Steady-state mean staleness of this stage: lag / m updates with stashing, ceil(lag / m) with 2BW."""
         return float(math.ceil(self.lag / self.m)) if self.two_versions else self.lag / self.m
 
-    # -- checkpoints ----------------------------------------------------------------------------------
-    def _file(self, directory: Path) -> Path:
-        return Path(directory) / f"pipedream-rank{self.pipe.pp_rank}.pt"
+    # -- the one checkpoint format (strategies/state.py) ---------------------------------------------
+    def optimizer_states(self):
+        """Each stage's optimizer states whole by the plain model's names, gathered over the pipeline. The
+        last stage's untied copy of a tied embedding (updated with a delay, by an optimizer of its own) is
+        left out: the plain model holds the first stage's."""
+        return self.pipe.optimizer_states(self.optimizer, lambda name, t: t)
 
-    def save(self, directory: Path) -> None:
-        if self.pipe.dp_rank == 0:
-            state = {"split": self.pipe.split, "stages": self.pipe.S, "model": self.pipe.state_dict(),
-                     "optimizer": self.optimizer.state_dict(), "calls": self.calls, "version": self.version}
-            if self.tied_optimizer is not None:
-                state["tied_optimizer"] = self.tied_optimizer.state_dict()
-            torch.save(state, self._file(directory))
+    def load_whole(self, weights, states):
+        """Weights and optimizer states by name; an untied copy starts from its original's."""
+        delayed = {id(p) for p in self.delayed}
+        self.pipe.load_plain(weights, states, lambda name, t: t,
+                             lambda p: self.tied_optimizer if id(p) in delayed else self.optimizer)
+        self.current = dict(self.module.named_parameters())
 
-    def load(self, directory: Path) -> None:
-        state = load_tensors(stage_file(self._file(directory), self.pipe), self.device)
-        check_split(state, self.pipe)
-        self.pipe.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.tied_optimizer is not None:
-            self.tied_optimizer.load_state_dict(state["tied_optimizer"])
-        self.calls, self.version = state["calls"], state["version"]
-        # The pipeline restarts empty at the next step's first microbatch.
+    def format_extras(self):
+        """No schedule object: each update sets its rate from the schedule's factor of its minibatch."""
+        return {**optimizer_description(self.optimizer), "scheduler": {"last_epoch": self.calls}}
+
+    def load_format_extras(self, index):
+        """The pipeline restarts empty at the next step's first microbatch (the microbatches in flight
+        when the checkpoint was written are dropped, also when this engine wrote it)."""
+        self.calls = self.version = self.next_tied = int(index["step"])
         self.start = self.calls * self.m
-        self.next_tied = self.calls
         self.in_flight.clear()
         self.fwd = None
-        self.current = dict(self.module.named_parameters())
-        for p in self.current.values():
+        for p in self.module.parameters():
             p.grad = None
 
     def full_state_dict(self):
@@ -530,19 +522,3 @@ class _Params(nn.Module):
         super().__init__()
         self.params = nn.ParameterList(params)
 
-
-def stage_file(path: Path, pipe) -> Path:
-    """The file of this pipeline rank's stages (written by its first replica, read by every replica)."""
-    if not path.exists():
-        written = len(list(path.parent.glob(re.sub(r"\d+\.pt$", "*.pt", path.name))))
-        raise FileNotFoundError(f"{path} is missing: the checkpoint holds the stages of {written} pipeline ranks, "
-                                f"this run has {pipe.P}; resume with the strategy's stages unchanged "
-                                f"(strategy.stages: {written}); the number of workers may change in steps of it")
-    return path
-
-
-def check_split(state: dict, pipe) -> None:
-    if state["split"] != pipe.split or state["stages"] != pipe.S:
-        raise ValueError(f"the checkpoint holds {state['stages']} stages split at layers {state['split']}, "
-                         f"this run has {pipe.S} split at {pipe.split}: resume with the same strategy "
-                         f"options (set strategy.split_points: {state['split']})")

@@ -53,8 +53,7 @@ from ..metrics.memory import (SavedActivations, Sharding, StateBytes, model_stat
                               optimizer_state_bytes)
 from .base import Engine
 from .context import DistContext
-from . import state
-from .dtensor import local_tensor, slice_like, whole_tensor
+from .dtensor import local_tensor, whole_tensor
 from .optim import build_optimizer, lr_factor
 from .layout import Layout, check_sharding
 from .stages import Busy, Interval, Pipeline, validate_layout
@@ -354,8 +353,6 @@ class PipelineEngine(Engine):
         return out
 
     # -- the one checkpoint format (strategies/state.py) -------------------------------------------
-    shares_format = True
-
     def whole_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A tensor of parameter `name` whole from this rank's piece, after FSDP's gather (megatron's
         stages: their tensor-parallel shards joined, tensor_split.SplitState)."""
@@ -365,25 +362,12 @@ class PipelineEngine(Engine):
         return whole
 
     def optimizer_states(self):
-        """Each pipeline rank's stages' optimizer states whole by the plain model's names (under fsdp
-        gathered over the replicas, one tensor at a time), then gathered over the pipeline to rank 0.
-        An untied copy of a tied parameter steps with the same gradient as its original: it is left out,
-        as the plain model holds the tensor once."""
-        named = [(name, p) for name, p, copy in self.pipe.plain_parameters() if not copy]
-        writes = self.placement.dp_rank == 0 and self.placement.tp_rank == 0  # rank 0's pipeline
-        mine = state.gathered(self.optimizer, named, lambda name, t: self.whole_of(name, whole_tensor(t)), writes)
-        out: dict = {}
-        if writes:
-            for part in self.pipe.gather(mine):
-                out.update(part)
-        return out if self.ctx.rank == 0 else {}
+        """Each stage's optimizer states whole (under fsdp gathered over the replicas, under megatron
+        joined over the tensor group, one tensor at a time), gathered over the pipeline to rank 0."""
+        return self.pipe.optimizer_states(self.optimizer, lambda name, t: self.whole_of(name, whole_tensor(t)))
 
     def load_whole(self, weights, states):
-        self.pipe.load_plain(weights, self.cut_of)
-        for name, p, _ in self.pipe.plain_parameters():
-            if name in states:
-                self.optimizer.state[p] = state.cut(states[name], lambda t: slice_like(
-                    self.cut_of(name, t).to(local_tensor(p).device), p))
+        self.pipe.load_plain(weights, states, self.cut_of, lambda p: self.optimizer)
 
     def full_state_dict(self):
         return self.pipe.full_state_dict()

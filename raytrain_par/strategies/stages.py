@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import models
+from . import state
 from .base import padded
 from .context import DTYPES
 from .dtensor import local_tensor, slice_like, whole_tensor
@@ -332,13 +333,35 @@ class Pipeline:
         return [(copies.get((s, local)) or self.names[s][local], p, (s, local) in copies)
                 for s, module in self.modules.items() for local, p in module.named_parameters()]
 
-    def load_plain(self, weights: dict[str, torch.Tensor], cut: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
-        """This rank's stages from the plain model's whole weights, `cut(name, tensor)` taking this rank's
-        piece of one (then sliced as a sharded stage holds it); an untied copy from its original."""
+    def optimizer_states(self, optimizer: torch.optim.Optimizer,
+                         whole: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, dict]:
+        """The optimizer states of this pipeline's stages whole by the plain model's names, `whole(name,
+        t)` making one tensor whole from this rank's piece (a collective where it is sharded: every rank
+        calls it), gathered over the pipeline of rank 0 (empty elsewhere). An untied copy of a tied
+        parameter is left out: the plain model holds the tensor once."""
+        named = [(name, p) for name, p, copy in self.plain_parameters() if not copy]
+        writes = self.placement.dp_rank == 0 and self.placement.tp_rank == 0  # the pipeline of rank 0
+        mine = state.gathered(optimizer, named, whole, writes)
+        out: dict = {}
+        if writes:
+            for part in self.gather(mine):
+                out.update(part)
+        return out if dist.get_rank() == 0 else {}
+
+    def load_plain(self, weights: dict[str, torch.Tensor], states: dict[str, dict],
+                   cut: Callable[[str, torch.Tensor], torch.Tensor],
+                   optimizer_of: Callable[[nn.Parameter], torch.optim.Optimizer]) -> None:
+        """This rank's stages and their optimizer states from the plain model's whole tensors by name:
+        `cut(name, tensor)` takes this rank's piece of one (then sliced as a sharded stage holds it); an
+        untied copy takes its original's; `optimizer_of(p)` is the optimizer stepping parameter p."""
         copies = {(s, local): tie.name for tie in self.ties for s, local in tie.copies}
         self.load_state_dict({orig: cut(source, weights[source]) for s in self.modules
                               for local, orig in self.names[s].items()
                               for source in [copies.get((s, local)) or orig]})
+        for name, p, _ in self.plain_parameters():
+            if name in states:
+                optimizer_of(p).state[p] = state.cut(states[name], lambda t: slice_like(
+                    cut(name, t).to(local_tensor(p).device), p))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict, gathered from the stages of this rank's pipeline (every rank)."""
@@ -440,10 +463,10 @@ def _slots(stage: nn.Module, paths: dict[int, str]) -> list[tuple[str, nn.Module
     for mpath, module in stage.named_modules(remove_duplicate=False):
         if id(module) not in paths:
             continue
-        state = [(n, v) for n, v in module._parameters.items() if v is not None]
-        state += [(n, v) for n, v in module._buffers.items()
-                  if v is not None and n not in module._non_persistent_buffers_set]
-        for attr, _ in state:
+        held = [(n, v) for n, v in module._parameters.items() if v is not None]
+        held += [(n, v) for n, v in module._buffers.items()
+                 if v is not None and n not in module._non_persistent_buffers_set]
+        for attr, _ in held:
             local = f"{mpath}.{attr}" if mpath else attr
             base = paths[id(module)]
             out.append((local, module, attr, f"{base}.{attr}" if base else attr))

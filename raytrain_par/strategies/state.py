@@ -1,23 +1,23 @@
-"""One checkpoint format under the plain model's parameter names, beside each engine's own files.
+"""The one checkpoint format, under the plain model's parameter names, for every engine.
 
-A checkpoint directory holds `model.safetensors` (the plain model's weights, gathered: weights.py) and,
-for the engines that share the format (`Engine.shares_format`), these two:
+A checkpoint directory holds, beside the training loop's own state (worker.py: loop.json, each rank's
+random state, the manifests):
 
+    model.safetensors       the plain model's weights, gathered (weights.py)
     optimizer.safetensors   every optimizer state tensor of a parameter at the parameter's global shape,
                             under `<parameter name>/<state name>`, e.g. `transformer.h.0.attn.c_attn.weight/exp_avg`
-    index.json              format version, step, the optimizer's class, the learning-rate schedule's and
-                            the loss scaler's state (numbers), each tensor's shape and dtype
+    index.json              format version, step, the optimizer's class and hyper-parameters, the
+                            learning-rate schedule's place and the loss scaler's state (numbers), each
+                            tensor's shape and dtype
 
 No pickle anywhere: safetensors and JSON. An engine supplies the full, name-keyed view of its
-parameters' optimizer states (gathered as its weights are for model.safetensors) and, to resume, takes
-whole tensors by name and cuts its own slices, as it cuts random weights: so a checkpoint resumes under
-any engine that shares the format, on any number of workers (anchors: DeepSpeed's universal
-checkpoints, one "atom" per parameter at its global shape; torch DCP's re-sharding by global offsets,
-whose metadata is a pickle this project does not load). ddp, fsdp and zero-1/2/3 share it; the other
-engines keep their own files until they do.
+parameters' optimizer states (gathered as its weights are for model.safetensors, one tensor at a time)
+and, to resume, takes whole tensors by name and cuts its own slices, as it cuts random weights: so a
+checkpoint resumes under any engine, with any options, on any number of workers (anchors: DeepSpeed's
+universal checkpoints, one "atom" per parameter at its global shape; torch DCP's re-sharding by global
+offsets, whose metadata is a pickle this project does not load).
 
-`save` and `load` are an engine's whole checkpoint, as the training loop (worker.py) writes and reads
-it beside its own loop state.
+`save` and `load` are an engine's whole part of a checkpoint, as the training loop writes and reads it.
 """
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ def write(directory: Path, states: dict[str, dict[str, torch.Tensor]], extras: d
              "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
                          for k, v in tensors.items()}}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=1, default=_number))
-
-
-def present(directory: Path) -> bool:
-    return (directory / INDEX_FILE).is_file() and (directory / OPTIMIZER_FILE).is_file()
 
 
 def read(directory: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
@@ -94,7 +90,7 @@ def old_format(directory: str | Path) -> str | None:
     """Why a checkpoint directory is one this release does not resume (written before its optimizer
     state was kept by parameter name, strategies/state.py), or None."""
     directory = Path(directory)
-    if present(directory):
+    if (directory / INDEX_FILE).is_file():  # a file of it missing or cut short: the manifest's to say
         return None
     own = sorted(f.name for f in directory.glob("*.pt") if not f.name.startswith("rng-"))
     held = f" (its state is in files of its strategy's own: {', '.join(own)})" if own else ""
@@ -125,26 +121,21 @@ def _number(value):
 
 def save(engine, directory: Path, step: int) -> None:
     """An engine's part of a checkpoint (every rank calls it: the gathers are collectives): rank 0
-    writes the plain model's weights and, where the engine shares the format, the optimizer states and
-    the index; an engine that does not writes its own files too (`Engine.save`)."""
-    engine.save(directory)
+    writes the plain model's weights, the optimizer states and the index."""
     rank0 = engine.ctx.rank == 0
     weights = engine.full_state_dict()
     if rank0:
         write_weights(weights, directory / WEIGHTS_FILE)
     del weights
-    if engine.shares_format:
-        states = engine.optimizer_states()
-        if rank0:
-            write(directory, states, engine.format_extras(), step)
+    states = engine.optimizer_states()
+    if rank0:
+        write(directory, states, engine.format_extras(), step)
 
 
 def load(engine, directory: Path) -> None:
-    """Resume an engine from a checkpoint directory holding every rank's files: by name at whole shapes
-    where it shares the format (written by any engine that does, on any number of workers)."""
-    if engine.shares_format and present(directory):
-        states, index = read(directory)
-        engine.load_whole(read_weights(directory / WEIGHTS_FILE), states)
-        engine.load_format_extras(index)
-    else:
-        engine.load(directory)  # its own files (or, for one that shares the format, a refusal)
+    """Resume an engine from a checkpoint directory by name at whole shapes (written by any engine, on
+    any number of workers); one written by an earlier release is refused, saying how to continue."""
+    refuse_old_format(directory)
+    states, index = read(directory)
+    engine.load_whole(read_weights(directory / WEIGHTS_FILE), states)
+    engine.load_format_extras(index)

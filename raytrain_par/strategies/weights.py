@@ -1,5 +1,4 @@
-"""Reading and writing tensors without unpickling objects: torch files loaded weights-only, and the
-plain model's weights in safetensors.
+"""The plain model's weights in safetensors, without unpickling anything.
 
 Every checkpoint carries the plain model's weights in one safetensors file, whatever the strategy
 (written from `Engine.full_state_dict()` by rank 0), so that a sharded checkpoint can be exported
@@ -12,12 +11,6 @@ import json
 from pathlib import Path
 
 import torch
-
-
-def load_tensors(path: Path, device: torch.device):
-    """torch.load that never unpickles arbitrary objects."""
-    return torch.load(path, map_location=device, weights_only=True)
-
 
 WEIGHTS_FILE = "model.safetensors"
 

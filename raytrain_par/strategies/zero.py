@@ -38,7 +38,7 @@ from torch import nn
 
 from ..metrics.memory import Sharding, StateBytes, model_state_census, optimizer_state_bytes, optimizer_tensors
 from .layout import Layout
-from .base import Engine, split_batch
+from .base import Engine, optimizer_description, split_batch
 from .context import DTYPES, DistContext
 from .offload import check_host_memory
 from .optim import build_optimizer, lr_factor
@@ -384,8 +384,6 @@ class ZeroEngine(Engine):
                                   extra_optim=[*masters, *(optimizer_tensors(base) if base is not None else [])])
 
     # -- the one checkpoint format (strategies/state.py): one parameter gathered or cut at a time ----
-    shares_format = True
-
     def _masters(self) -> list[torch.Tensor]:
         """This rank's flat fp32 partitions: what the experiment's optimizer steps (its state's keys)."""
         opt = self.optimizer
@@ -456,7 +454,7 @@ class ZeroEngine(Engine):
     def format_extras(self):
         """The experiment's optimizer (DeepSpeed wraps it), the schedule, and under fp16 DeepSpeed's
         loss scale under the names torch's GradScaler gives it (so ddp resumes it, and it resumes ddp's)."""
-        out = {"optimizer": type(self.optimizer.optimizer).__name__, "scheduler": self.scheduler.state_dict()}
+        out = {**optimizer_description(self.optimizer.optimizer), "scheduler": self.scheduler.state_dict()}
         scaler = getattr(self.optimizer, "loss_scaler", None)
         if self.train.precision == "fp16" and scaler is not None:
             factor = float(getattr(scaler, "scale_factor", 2.0))
