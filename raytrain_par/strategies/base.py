@@ -15,7 +15,7 @@ import contextlib
 import importlib
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -452,15 +452,17 @@ class Engine(ABC):
 
     # -- checkpoints: the one format (strategies/state.py) ----------------------------------------
     @abstractmethod
-    def optimizer_states(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every parameter's optimizer state by the plain model's parameter name, whole tensors at the
-        parameter's global shape, on rank 0 (gathered where sharded, one tensor at a time: every rank
-        calls it; the other ranks may return nothing)."""
+    def optimizer_states(self) -> Iterator[tuple[str, dict | None]]:
+        """Every parameter's optimizer state by the plain model's parameter name, one parameter at a time:
+        (name, {state name: whole tensor at the parameter's global shape, or a scalar}), gathered where
+        sharded (every rank iterates it: the gathers are collectives); rank 0 gets the states, the others
+        may get None. So the rank that writes never holds more than one parameter's whole states beyond
+        what it already holds."""
 
     @abstractmethod
-    def load_whole(self, weights: dict[str, torch.Tensor], states: dict[str, dict[str, torch.Tensor]]) -> None:
-        """The inverse: whole weights and optimizer states by name -> this rank's slices of them, cut as
-        the engine cuts a parameter's weight."""
+    def load_whole(self, weights: Mapping[str, torch.Tensor], states: Mapping[str, dict]) -> None:
+        """The inverse: whole weights and optimizer states by name (read from the files as they are asked
+        for) -> this rank's slices of them, cut as the engine cuts a parameter's weight."""
 
     def format_extras(self) -> dict:
         """What index.json holds beside the tensors: the optimizer's class and hyper-parameters, the

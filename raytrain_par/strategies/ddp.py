@@ -125,9 +125,9 @@ class DDPEngine(Engine):
 
     # -- the one checkpoint format (strategies/state.py): every rank holds whole tensors ------------
     def optimizer_states(self):
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        return {names[id(p)]: dict(self.optimizer.state[p]) for g in self.optimizer.param_groups
-                for p in g["params"] if self.optimizer.state.get(p)}
+        for name, p in self.model.named_parameters():
+            if self.optimizer.state.get(p):
+                yield name, dict(self.optimizer.state[p])
 
     def load_whole(self, weights, states):
         self.model.load_state_dict(weights)

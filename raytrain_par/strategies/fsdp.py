@@ -28,6 +28,7 @@ from torch import nn
 
 from ..metrics.memory import Sharding, StateBytes
 from .layout import Layout
+from . import state
 from .base import Engine
 from .context import DTYPES, DistContext
 from .offload import check_host_memory
@@ -173,12 +174,10 @@ class FSDPEngine(Engine):
 
     # -- the one checkpoint format (strategies/state.py): shards gathered and cut by name -----------
     def optimizer_states(self):
-        """An all-gather per state tensor, in the optimizer's parameter order (the same on every rank)."""
+        """An all-gather per state tensor, in the model's parameter order (the same on every rank)."""
         self._resharded()
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return {names[id(p)]: {k: _whole(v) if isinstance(v, torch.Tensor) else v
-                               for k, v in self.optimizer.state[p].items()}
-                for p in self._params() if self.optimizer.state.get(p)}
+        named = list(self.module.named_parameters())
+        yield from state.gathered(self.optimizer, named, lambda name, t: _whole(t), keep=self.ctx.rank == 0)
 
     def load_whole(self, weights, states):
         self._resharded()

@@ -363,7 +363,7 @@ class PipelineEngine(Engine):
 
     def optimizer_states(self):
         """Each stage's optimizer states whole (under fsdp gathered over the replicas, under megatron
-        joined over the tensor group, one tensor at a time), gathered over the pipeline to rank 0."""
+        joined over the tensor group), sent over the pipeline to rank 0, one parameter at a time."""
         return self.pipe.optimizer_states(self.optimizer, lambda name, t: self.whole_of(name, whole_tensor(t)))
 
     def load_whole(self, weights, states):

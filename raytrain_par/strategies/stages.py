@@ -28,7 +28,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -334,20 +334,25 @@ class Pipeline:
                 for s, module in self.modules.items() for local, p in module.named_parameters()]
 
     def optimizer_states(self, optimizer: torch.optim.Optimizer,
-                         whole: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, dict]:
-        """The optimizer states of this pipeline's stages whole by the plain model's names, `whole(name,
-        t)` making one tensor whole from this rank's piece (a collective where it is sharded: every rank
-        calls it), gathered over the pipeline of rank 0 (empty elsewhere). An untied copy of a tied
-        parameter is left out: the plain model holds the tensor once."""
+                         whole: Callable[[str, torch.Tensor], torch.Tensor]) -> Iterator[tuple[str, dict | None]]:
+        """The optimizer states of this pipeline's stages whole by the plain model's names, one parameter at
+        a time: `whole(name, t)` makes one tensor whole from this rank's piece (a collective where it is
+        sharded: every rank calls it), and the other pipeline ranks of rank 0's pipeline send theirs to
+        it, stage by stage (a group of its own: PipeDream's sends of activations may be in flight). An
+        untied copy of a tied parameter is left out: the plain model holds the tensor once."""
         named = [(name, p) for name, p, copy in self.plain_parameters() if not copy]
         writes = self.placement.dp_rank == 0 and self.placement.tp_rank == 0  # the pipeline of rank 0
-        mine = state.gathered(optimizer, named, whole, writes)
-        out: dict = {}
-        if writes:
-            for part in self.gather(mine):
-                out.update(part)
-        return out if dist.get_rank() == 0 else {}
-
+        mine = state.gathered(optimizer, named, whole, keep=writes)
+        group = self.placement.group_along("pp", tag="checkpoint") if self.P > 1 else None
+        if not writes or self.pp_rank == 0:
+            yield from mine
+            if writes:  # rank 0: the other stages', received
+                for p in range(1, self.P):
+                    yield from _received(p, group, self.device)
+            return
+        for name, states in mine:
+            _send(name, states, group, self.device)
+        _send(None, None, group, self.device)  # the end of this rank's
     def load_plain(self, weights: dict[str, torch.Tensor], states: dict[str, dict],
                    cut: Callable[[str, torch.Tensor], torch.Tensor],
                    optimizer_of: Callable[[nn.Parameter], torch.optim.Optimizer]) -> None:
@@ -521,3 +526,32 @@ class Interval:
         out = sum(self.values) / len(self.values) if self.values else None
         self.values = []
         return out
+
+
+# -- checkpoints: whole tensors sent to the rank that writes ------------------------------------------
+
+def _send(name: str | None, states: dict | None, group, device: torch.device) -> None:
+    """One parameter's whole optimizer states to pipeline rank 0: its name, the states' scalars and
+    tensors' shapes as an object, then each tensor (None: nothing more from this rank)."""
+    tensors = {k: v for k, v in (states or {}).items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    meta = None if name is None else (name, {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()},
+                                      {k: v for k, v in states.items() if k not in tensors})
+    dist.send_object_list([meta], group=group, group_dst=0, device=device)
+    for v in tensors.values():
+        dist.send(v.to(device), group=group, group_dst=0)
+
+
+def _received(src: int, group, device: torch.device) -> Iterator[tuple[str, dict]]:
+    """What pipeline rank `src` sends with `_send`, one parameter at a time."""
+    while True:
+        meta = [None]
+        dist.recv_object_list(meta, group=group, group_src=src, device=device)
+        if meta[0] is None:
+            return
+        name, shapes, scalars = meta[0]
+        states = dict(scalars)
+        for k, (shape, dtype) in shapes.items():
+            t = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(t, group=group, group_src=src)
+            states[k] = t.cpu()
+        yield name, states

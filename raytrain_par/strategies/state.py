@@ -23,61 +23,122 @@ offsets, whose metadata is a pickle this project does not load).
 from __future__ import annotations
 
 import json
+import shutil
+import struct
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
-from .weights import WEIGHTS_FILE, read_weights, write_weights
+from .weights import WEIGHTS_FILE, WeightsFile, write_weights
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 INDEX_FILE = "index.json"
 FORMAT = 1
 
 
-def write(directory: Path, states: dict[str, dict[str, torch.Tensor]], extras: dict, step: int) -> None:
-    """Rank 0: the optimizer states by parameter name (whole tensors) and the index."""
-    from safetensors.torch import save_file
-
-    tensors = {f"{name}/{key}": v.detach().cpu().contiguous() for name, s in states.items()
-               for key, v in s.items() if isinstance(v, torch.Tensor)}
-    scalars = {f"{name}/{key}": v for name, s in states.items() for key, v in s.items()
-               if not isinstance(v, torch.Tensor)}
-    save_file(tensors, str(directory / OPTIMIZER_FILE))
+def write(directory: Path, states: Iterable[tuple[str, dict | None]], extras: dict, step: int) -> None:
+    """The optimizer states by parameter name (whole tensors) and the index, one parameter at a time as
+    `states` gathers them (an entry of None: one this rank does not write)."""
+    tensors = _Writer(directory / OPTIMIZER_FILE)
+    scalars = {}
+    for name, held in states:
+        for key, v in (held or {}).items():
+            if isinstance(v, torch.Tensor):
+                tensors.add(f"{name}/{key}", v)
+            else:
+                scalars[f"{name}/{key}"] = v
+    tensors.close()
     index = {"format": FORMAT, "step": step, **extras, "scalars": scalars,
-             "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-                         for k, v in tensors.items()}}
+             "tensors": {k: {"shape": e["shape"], "dtype": str(DTYPES[e["dtype"]]).removeprefix("torch.")}
+                         for k, e in tensors.entries.items()}}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=1, default=_number))
 
 
-def read(directory: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """The optimizer states by parameter name (whole tensors, on the CPU) and the index."""
-    from safetensors.torch import load_file
-
+def read(directory: Path) -> tuple[Mapping[str, dict], dict]:
+    """The optimizer states by parameter name (whole tensors, on the CPU, each read from the file when it
+    is asked for) and the index."""
     index = json.loads((directory / INDEX_FILE).read_text())
     if index.get("format") != FORMAT:
         raise ValueError(f"{directory / INDEX_FILE}: format {index.get('format')!r}, this release reads {FORMAT}")
-    states: dict[str, dict] = {}
-    for key, value in [*load_file(str(directory / OPTIMIZER_FILE)).items(), *index.get("scalars", {}).items()]:
-        name, _, state = key.rpartition("/")
-        states.setdefault(name, {})[state] = value
-    return states, index
+    return _States(directory / OPTIMIZER_FILE, index.get("scalars", {})), index
 
 
+# safetensors' names of torch's dtypes
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+_NAMES = {v: k for k, v in DTYPES.items()}
 
-def gathered(optimizer: torch.optim.Optimizer, named, whole, keep: bool) -> dict[str, dict]:
-    """The optimizer states of `named` ((plain name, parameter) pairs) whole, by name: `whole(name, t)`
-    makes one state tensor whole from this rank's piece (collectives: every rank calls it, in the same
-    order), one tensor at a time; the result is kept where `keep` (the rank that writes it)."""
-    out = {}
+
+class _Writer:
+    """A safetensors file written one tensor at a time. safetensors' own writer takes every tensor at
+    once, which would hold the whole model's optimizer states in memory on the rank that writes: here each
+    tensor's bytes go to a side file as it comes, and at the end the header (which must come first and
+    list every tensor) and the bytes into the file. Costs a second write of the data, not its memory."""
+
+    def __init__(self, path: Path):
+        self.path, self.side = path, path.with_name(path.name + ".part")
+        self.data = open(self.side, "wb")
+        self.entries: dict[str, dict] = {}
+        self.offset = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        t = t.detach().cpu().contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy()
+        self.data.write(memoryview(data))
+        self.data.flush()  # on disk before the next tensor is gathered
+        self.entries[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [self.offset, self.offset + data.nbytes]}
+        self.offset += data.nbytes
+
+    def close(self) -> None:
+        self.data.close()
+        header = json.dumps(self.entries, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        with open(self.path, "wb") as out, open(self.side, "rb") as data:
+            out.write(struct.pack("<Q", len(header)))
+            out.write(header)
+            shutil.copyfileobj(data, out, 1 << 24)
+        self.side.unlink()
+
+
+class _States(Mapping):
+    """A parameter's optimizer states by its name, read from the file when asked for (one parameter's at
+    a time, as an engine cuts them)."""
+
+    def __init__(self, path: Path, scalars: dict):
+        from safetensors import safe_open
+
+        self.file = safe_open(str(path), "pt")
+        self.keys: dict[str, list[str]] = {}
+        for key in [*self.file.keys(), *scalars]:
+            name, _, state = key.rpartition("/")
+            self.keys.setdefault(name, []).append(state)
+        self.scalars = scalars
+
+    def __getitem__(self, name: str) -> dict:
+        return {k: self.scalars[f"{name}/{k}"] if f"{name}/{k}" in self.scalars else self.file.get_tensor(f"{name}/{k}")
+                for k in self.keys[name]}
+
+    def __iter__(self):
+        return iter(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def gathered(optimizer: torch.optim.Optimizer, named, whole, keep: bool) -> Iterator[tuple[str, dict | None]]:
+    """The optimizer states of `named` ((plain name, parameter) pairs) whole, by name, one parameter at a
+    time: `whole(name, t)` makes one state tensor whole from this rank's piece (collectives: every rank
+    calls it, in the same order); each is given where `keep` (the rank that writes it), None elsewhere."""
     for name, p in named:
         state = optimizer.state.get(p)
         if not state:
             continue
         states = {k: whole(name, v).detach().cpu() if isinstance(v, torch.Tensor) and v.dim() > 0 else v
                   for k, v in state.items()}
-        if keep:
-            out[name] = states
-    return out
+        yield name, states if keep else None
 
 
 def cut(states: dict, piece) -> dict:
@@ -127,9 +188,12 @@ def save(engine, directory: Path, step: int) -> None:
     if rank0:
         write_weights(weights, directory / WEIGHTS_FILE)
     del weights
-    states = engine.optimizer_states()
+    states = engine.optimizer_states()  # gathered one parameter at a time, as the file is written
     if rank0:
         write(directory, states, engine.format_extras(), step)
+    else:
+        for _ in states:  # the gathers are collectives
+            pass
 
 
 def load(engine, directory: Path) -> None:
@@ -137,5 +201,5 @@ def load(engine, directory: Path) -> None:
     any number of workers); one written by an earlier release is refused, saying how to continue."""
     refuse_old_format(directory)
     states, index = read(directory)
-    engine.load_whole(read_weights(directory / WEIGHTS_FILE), states)
+    engine.load_whole(WeightsFile(directory / WEIGHTS_FILE), states)
     engine.load_format_extras(index)

@@ -8,6 +8,7 @@ without the process group that wrote it.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -42,3 +43,24 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     for name, target in aliases.items():
         state[name] = state[target]
     return state
+
+
+class WeightsFile(Mapping):
+    """The weights of a `write_weights` file by name, each read when it is asked for (an engine takes its
+    slices one tensor at a time, never holding the whole model beyond what it keeps)."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.file = safe_open(str(path), "pt")
+        self.aliases = json.loads((self.file.metadata() or {}).get("aliases", "{}"))
+        self.names = [*self.file.keys(), *self.aliases]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.file.get_tensor(self.aliases.get(name, name))
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)

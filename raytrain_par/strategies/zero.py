@@ -399,19 +399,16 @@ class ZeroEngine(Engine):
 
         first = self.optimizer.optimizer.state.get(self._masters()[0], {})
         if not first:  # the optimizer has not stepped yet
-            return {}
+            return
         self._link_optimizer_state()
         keys = sorted(k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
         scalars = {k: v for k, v in first.items() if k not in keys}
-        out = {}
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
                 continue
             whole = {k: safe_get_full_optimizer_state(p, k).detach().reshape(_shape(p)).cpu() for k in keys}
-            if self.ctx.rank == 0:
-                out[name] = {**whole, **{k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-                                         for k, v in scalars.items()}}
-        return out
+            yield name, {**whole, **{k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                                     for k, v in scalars.items()}} if self.ctx.rank == 0 else None
 
     def _link_optimizer_state(self) -> None:
         """Stages 1 and 2: point each parameter at its piece of the optimizer's state, which the
