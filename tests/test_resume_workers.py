@@ -108,7 +108,7 @@ def runs(info, tmp_path_factory):
         out = run_ranks(world, phase, kjv, tmp, *args)[0]
         straight.update(out["straight"])
         resumed.update(out["resumed"])
-    return straight, resumed
+    return straight, resumed, Path(tmp)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -125,6 +125,49 @@ def test_resumed_on_another_worker_count_trains_the_same_steps(runs, case):
                 assert now[key] == pytest.approx(was[key], rel=0.05), f"{case} step {now['step']} {key}"
             else:
                 assert now[key] == pytest.approx(was[key], rel=rel, abs=0), f"{case} step {now['step']} {key}"
+
+
+def test_every_engine_writes_the_plain_models_weights_and_states(runs, info):
+    """The straight runs' step-2 checkpoints (each engine gathering one tensor at a time, a pipeline's
+    stages sent to rank 0) hold the plain GPT-2's every weight and each parameter's AdamW states under its
+    name and shape, the same numbers whichever engine wrote them (to rounding; PipeDream trains other
+    numbers: its names and shapes only)."""
+    from raytrain_par.strategies.weights import WeightsFile
+
+    model = _plain_model(info(**KJV))
+    initial = model.state_dict()
+    plain = {k: tuple(v.shape) for k, v in initial.items()}
+    params = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    reference = None
+    for case in CASES:
+        ckpt = next(c.parent for c in (runs[2] / case / "straight").glob("checkpoint_*/loop.json")
+                    if json.loads(c.read_text())["state"]["step"] == 2)  # as every resume read it
+        weights, (states, index) = WeightsFile(ckpt / "model.safetensors"), state.read(ckpt)
+        assert {k: tuple(weights[k].shape) for k in weights} == plain, case
+        assert sorted(states) == sorted(params), case
+        for name, shape in params.items():
+            assert sorted(states[name]) == ["exp_avg", "exp_avg_sq", "step"], (case, name)
+            assert tuple(states[name]["exp_avg"].shape) == shape, (case, name)
+        assert index["step"] == 2 and index["optimizer"] == "AdamW", case
+        if CASES[case][3] is None:  # PipeDream's earlier stages have applied fewer updates at a step's end
+            continue
+        assert all(float(states[name]["step"]) == 2.0 for name in params), case
+        numbers = {**{k: weights[k] for k in weights}, **{f"{n}/{k}": v for n in states for k, v in states[n].items()}}
+        reference = reference or numbers
+        for key, value in numbers.items():
+            # within 5% of what training changed (Adam's first steps turn tiny differences of the gradient,
+            # reductions summed in another order, into parts of a step); a tensor cut, joined or named
+            # wrongly differs by about its whole size
+            changed = (reference[key] - initial.get(key, 0)).abs().max()
+            assert (value - reference[key]).abs().max() <= 0.05 * changed, (case, key)
+
+
+def _plain_model(info_dict):
+    from raytrain_par import models
+    from raytrain_par.data.shards import DatasetInfo
+
+    spec = config.from_dict(_spec("ddp", 1))
+    return models.build(spec.model, DatasetInfo.from_json(info_dict), spec.train.seed)[0]
 
 
 # -- check_resumable -----------------------------------------------------------------------------------

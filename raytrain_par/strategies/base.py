@@ -29,6 +29,7 @@ from ..models import checkpoint_activations, parameter_count
 from .context import DTYPES, DistContext
 from .dtensor import local_tensor
 from .layout import Layout, Placement, place
+from .weights import as_state_dict, tied
 
 
 def padded(batches: list, passes: int) -> Iterator[tuple[dict, bool]]:
@@ -451,6 +452,13 @@ class Engine(ABC):
         return out
 
     # -- checkpoints: the one format (strategies/state.py) ----------------------------------------
+    def plain_weights(self, everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor | str | None]]:
+        """The plain model's weights by name, one tensor at a time: (name, whole tensor) on rank 0 (on every
+        rank with `everywhere`; None elsewhere), or (name, the name of an earlier entry it is tied to).
+        Every rank iterates it (the gathers are collectives). An engine supplies this or
+        `full_state_dict`: by default, from it."""
+        yield from tied(self.full_state_dict())
+
     @abstractmethod
     def optimizer_states(self) -> Iterator[tuple[str, dict | None]]:
         """Every parameter's optimizer state by the plain model's parameter name, one parameter at a time:
@@ -485,9 +493,9 @@ class Engine(ABC):
     def load_rng_state(self, state: dict) -> None:
         """`rng_state` of the rank of this number that wrote the checkpoint (or of rank 0, where none did)."""
 
-    @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict (gathered where it is sharded), on every rank."""
+        return as_state_dict(self.plain_weights(everywhere=True))
 
 
 def optimizer_description(optimizer: torch.optim.Optimizer) -> dict:

@@ -30,6 +30,7 @@ from ..metrics.memory import Sharding, StateBytes
 from .layout import Layout
 from . import state
 from .base import Engine
+from .weights import one_by_one
 from .context import DTYPES, DistContext
 from .offload import check_host_memory
 from .optim import build_optimizer, lr_factor
@@ -162,15 +163,11 @@ class FSDPEngine(Engine):
             if isinstance(m, FSDPModule):
                 m.reshard()
 
-    def full_state_dict(self):
-        """Whole tensors on every rank (an all-gather per parameter: every rank calls it)."""
-        full: dict[int, torch.Tensor] = {}
-        out = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) not in full:
-                full[id(t)] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
-            out[name] = full[id(t)]
-        return out
+    def plain_weights(self, everywhere=False):
+        """An all-gather per tensor (every rank goes through them)."""
+        self._resharded()
+        yield from one_by_one(self.module.state_dict(keep_vars=True), lambda name, t: _whole(t),
+                              keep=everywhere or self.ctx.rank == 0)
 
     # -- the one checkpoint format (strategies/state.py): shards gathered and cut by name -----------
     def optimizer_states(self):

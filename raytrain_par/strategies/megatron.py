@@ -51,7 +51,8 @@ from .context import DistContext
 from .dtensor import local_tensor, slice_like, whole_tensor
 from .optim import build_optimizer, lr_factor
 from .tensor_parallel import TPGroup
-from .tensor_split import TP_RNG_OFFSET, ShapesOnly, SplitState, gather_shards, split_lm
+from .tensor_split import TP_RNG_OFFSET, ShapesOnly, SplitState, split_lm
+from .weights import one_by_one
 
 
 @dataclass
@@ -268,15 +269,15 @@ class MegatronEngine(SplitState, Engine):
         # from the first record.
         return {**super().memory(), "mem_activation_bytes": self.activation_bytes, **self.step_comm}
 
-    def full_state_dict(self):
-        """The plain model's state dict (transformers' names, a tied LM head included), on every rank."""
-        return gather_shards(self._shard_state(), self.splits, self.vocab_names, self.vocab_size, self.tp,
-                             self.tied_head, self.plain_keys)
-
-    def _shard_state(self) -> dict[str, torch.Tensor]:
-        """This rank's tensor-parallel shard of the model state, whole over the data-parallel replicas
-        (under fsdp an all-gather over them: every rank calls it)."""
-        return {k: whole_tensor(v) for k, v in self.model.state_dict().items()}
+    def plain_weights(self, everywhere=False):
+        """The plain model's tensors (transformers' names, a tied LM head by the embedding's), one at a
+        time: under fsdp gathered over the replicas, then the tensor-parallel shards joined (collectives:
+        every rank goes through them)."""
+        shard = self.model.state_dict(keep_vars=True)
+        if self.tied_head:
+            shard[self.tied_head] = shard[next(iter(self.vocab_names))]
+        yield from one_by_one({k: shard[k] for k in self.plain_keys},
+                              lambda name, t: self.whole_of(name, whole_tensor(t)), keep=everywhere or self.ctx.rank == 0)
 
     # -- the one checkpoint format (strategies/state.py): one parameter gathered or cut at a time ----
     def optimizer_states(self):

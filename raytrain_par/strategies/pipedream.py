@@ -69,6 +69,7 @@ from ..metrics.memory import SavedActivations, Sharding, StateBytes, model_state
 from .base import Engine, optimizer_description, split_batch
 from .context import DistContext
 from .optim import build_optimizer, lr_factor
+from .weights import tied
 from .layout import Layout
 from .stages import Busy, Interval, Pipeline, validate_layout
 
@@ -489,6 +490,12 @@ class PipeDreamEngine(Engine):
         last stage's untied copy of a tied embedding (updated with a delay, by an optimizer of its own) is
         left out: the plain model holds the first stage's."""
         return self.pipe.optimizer_states(self.optimizer, lambda name, t: t)
+
+    def plain_weights(self, everywhere=False):
+        if everywhere:
+            yield from tied(self.full_state_dict())
+        else:
+            yield from self.pipe.plain_weights(lambda name, t: t)
 
     def load_whole(self, weights, states):
         """Weights and optimizer states by name; an untied copy starts from its original's."""

@@ -55,6 +55,7 @@ from .base import Engine
 from .context import DistContext
 from .dtensor import local_tensor, whole_tensor
 from .optim import build_optimizer, lr_factor
+from .weights import tied
 from .layout import Layout, check_sharding
 from .stages import Busy, Interval, Pipeline, validate_layout
 
@@ -365,6 +366,12 @@ class PipelineEngine(Engine):
         """Each stage's optimizer states whole (under fsdp gathered over the replicas, under megatron
         joined over the tensor group), sent over the pipeline to rank 0, one parameter at a time."""
         return self.pipe.optimizer_states(self.optimizer, lambda name, t: self.whole_of(name, whole_tensor(t)))
+
+    def plain_weights(self, everywhere=False):
+        if everywhere:
+            yield from tied(self.full_state_dict())
+        else:
+            yield from self.pipe.plain_weights(lambda name, t: self.whole_of(name, whole_tensor(t)))
 
     def load_whole(self, weights, states):
         self.pipe.load_plain(weights, states, self.cut_of, lambda p: self.optimizer)

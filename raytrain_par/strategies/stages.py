@@ -341,18 +341,47 @@ class Pipeline:
         it, stage by stage (a group of its own: PipeDream's sends of activations may be in flight). An
         untied copy of a tied parameter is left out: the plain model holds the tensor once."""
         named = [(name, p) for name, p, copy in self.plain_parameters() if not copy]
-        writes = self.placement.dp_rank == 0 and self.placement.tp_rank == 0  # the pipeline of rank 0
-        mine = state.gathered(optimizer, named, whole, keep=writes)
+        yield from self._to_rank0(state.gathered(optimizer, named, whole, keep=self._writes))
+
+    def plain_weights(self, whole: Callable[[str, torch.Tensor], torch.Tensor]
+                      ) -> Iterator[tuple[str, torch.Tensor | str | None]]:
+        """This pipeline's stages' state whole by the plain model's names, one tensor at a time, as
+        `optimizer_states` gives the optimizer's; an untied copy by the name of its original."""
+        copies = {(s, local): tie.name for tie in self.ties for s, local in tie.copies}
+
+        def mine():
+            for s, module in self.modules.items():
+                for local, t in module.state_dict(keep_vars=True).items():
+                    name = self.names[s][local]
+                    if (s, local) in copies:
+                        yield name, {"tied": copies[(s, local)]}
+                    else:
+                        value = whole(name, t).detach()
+                        yield name, {"tensor": value.cpu()} if self._writes else None
+
+        for name, sent in self._to_rank0(mine()):
+            yield name, None if sent is None else sent.get("tensor", sent.get("tied"))
+
+    @property
+    def _writes(self) -> bool:
+        """Whether this rank is in the pipeline of rank 0 (whose ranks send their stages' tensors to it)."""
+        return self.placement.dp_rank == 0 and self.placement.tp_rank == 0
+
+    def _to_rank0(self, mine: Iterator[tuple[str, dict | None]]) -> Iterator[tuple[str, dict | None]]:
+        """This rank's (name, dict) entries, and on rank 0 also those of the other ranks of its pipeline,
+        stage after stage, each sent when it is made (a group of its own: PipeDream's sends of activations
+        may be in flight)."""
         group = self.placement.group_along("pp", tag="checkpoint") if self.P > 1 else None
-        if not writes or self.pp_rank == 0:
+        if not self._writes or self.pp_rank == 0:
             yield from mine
-            if writes:  # rank 0: the other stages', received
+            if self._writes:
                 for p in range(1, self.P):
                     yield from _received(p, group, self.device)
             return
-        for name, states in mine:
-            _send(name, states, group, self.device)
+        for name, entry in mine:
+            _send(name, entry, group, self.device)
         _send(None, None, group, self.device)  # the end of this rank's
+
     def load_plain(self, weights: dict[str, torch.Tensor], states: dict[str, dict],
                    cut: Callable[[str, torch.Tensor], torch.Tensor],
                    optimizer_of: Callable[[nn.Parameter], torch.optim.Optimizer]) -> None:
@@ -531,8 +560,8 @@ class Interval:
 # -- checkpoints: whole tensors sent to the rank that writes ------------------------------------------
 
 def _send(name: str | None, states: dict | None, group, device: torch.device) -> None:
-    """One parameter's whole optimizer states to pipeline rank 0: its name, the states' scalars and
-    tensors' shapes as an object, then each tensor (None: nothing more from this rank)."""
+    """One entry (a parameter's whole optimizer states, a whole weight) to pipeline rank 0: its name, its
+    scalars and tensors' shapes as an object, then each tensor (None: nothing more from this rank)."""
     tensors = {k: v for k, v in (states or {}).items() if isinstance(v, torch.Tensor) and v.dim() > 0}
     meta = None if name is None else (name, {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()},
                                       {k: v for k, v in states.items() if k not in tensors})

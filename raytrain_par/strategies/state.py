@@ -22,15 +22,14 @@ offsets, whose metadata is a pickle this project does not load).
 
 from __future__ import annotations
 
+import itertools
 import json
-import shutil
-import struct
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
-from .weights import WEIGHTS_FILE, WeightsFile, write_weights
+from .weights import DTYPES, WEIGHTS_FILE, StreamWriter, WeightsFile, write_weights
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 INDEX_FILE = "index.json"
@@ -40,7 +39,7 @@ FORMAT = 1
 def write(directory: Path, states: Iterable[tuple[str, dict | None]], extras: dict, step: int) -> None:
     """The optimizer states by parameter name (whole tensors) and the index, one parameter at a time as
     `states` gathers them (an entry of None: one this rank does not write)."""
-    tensors = _Writer(directory / OPTIMIZER_FILE)
+    tensors = StreamWriter(directory / OPTIMIZER_FILE)
     scalars = {}
     for name, held in states:
         for key, v in (held or {}).items():
@@ -62,45 +61,6 @@ def read(directory: Path) -> tuple[Mapping[str, dict], dict]:
     if index.get("format") != FORMAT:
         raise ValueError(f"{directory / INDEX_FILE}: format {index.get('format')!r}, this release reads {FORMAT}")
     return _States(directory / OPTIMIZER_FILE, index.get("scalars", {})), index
-
-
-# safetensors' names of torch's dtypes
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "BOOL": torch.bool}
-_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-class _Writer:
-    """A safetensors file written one tensor at a time. safetensors' own writer takes every tensor at
-    once, which would hold the whole model's optimizer states in memory on the rank that writes: here each
-    tensor's bytes go to a side file as it comes, and at the end the header (which must come first and
-    list every tensor) and the bytes into the file. Costs a second write of the data, not its memory."""
-
-    def __init__(self, path: Path):
-        self.path, self.side = path, path.with_name(path.name + ".part")
-        self.data = open(self.side, "wb")
-        self.entries: dict[str, dict] = {}
-        self.offset = 0
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        t = t.detach().cpu().contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy()
-        self.data.write(memoryview(data))
-        self.data.flush()  # on disk before the next tensor is gathered
-        self.entries[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
-                              "data_offsets": [self.offset, self.offset + data.nbytes]}
-        self.offset += data.nbytes
-
-    def close(self) -> None:
-        self.data.close()
-        header = json.dumps(self.entries, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        with open(self.path, "wb") as out, open(self.side, "rb") as data:
-            out.write(struct.pack("<Q", len(header)))
-            out.write(header)
-            shutil.copyfileobj(data, out, 1 << 24)
-        self.side.unlink()
 
 
 class _States(Mapping):
@@ -181,18 +141,17 @@ def _number(value):
 
 
 def save(engine, directory: Path, step: int) -> None:
-    """An engine's part of a checkpoint (every rank calls it: the gathers are collectives): rank 0
-    writes the plain model's weights, the optimizer states and the index."""
+    """An engine's part of a checkpoint (every rank calls it): rank 0 writes the plain model's weights,
+    the optimizer states and the index."""
     rank0 = engine.ctx.rank == 0
-    weights = engine.full_state_dict()
+    # each gathered one tensor at a time as the files are written (the gathers are collectives: every
+    # rank goes through them)
+    weights, states = engine.plain_weights(), engine.optimizer_states()
     if rank0:
         write_weights(weights, directory / WEIGHTS_FILE)
-    del weights
-    states = engine.optimizer_states()  # gathered one parameter at a time, as the file is written
-    if rank0:
         write(directory, states, engine.format_extras(), step)
     else:
-        for _ in states:  # the gathers are collectives
+        for _ in itertools.chain(weights, states):
             pass
 
 

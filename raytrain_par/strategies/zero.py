@@ -41,6 +41,7 @@ from .layout import Layout
 from .base import Engine, optimizer_description, split_batch
 from .context import DTYPES, DistContext
 from .offload import check_host_memory
+from .weights import one_by_one
 from .optim import build_optimizer, lr_factor
 
 
@@ -499,20 +500,14 @@ class ZeroEngine(Engine):
                     with torch.no_grad():
                         p.copy_(values[name].reshape(p.shape))
 
-    def full_state_dict(self):
-        """fp32 master weights, gathered (a collective: every rank calls it)."""
+    def plain_weights(self, everywhere=False):
+        """fp32 master weights, one parameter gathered at a time (a collective: every rank goes through them)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        full = {}
-        for name, t in self.model.state_dict(keep_vars=True).items():
-            if isinstance(t, nn.Parameter):
-                key = id(t)
-                if key not in full:
-                    full[key] = safe_get_full_fp32_param(t).detach().reshape(_shape(t)).cpu()
-        out = {}
-        for name, t in self.model.state_dict(keep_vars=True).items():
-            out[name] = full[id(t)] if isinstance(t, nn.Parameter) else t.detach().cpu()
-        return out
+        def whole(name, t):
+            return safe_get_full_fp32_param(t).reshape(_shape(t)) if isinstance(t, nn.Parameter) else t
+
+        yield from one_by_one(self.model.state_dict(keep_vars=True), whole, keep=everywhere or self.ctx.rank == 0)
 
 
 def _at_end_of_backward(fn):
