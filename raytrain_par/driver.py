@@ -325,7 +325,14 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
         diffs.append(f"data.loader: checkpoint {loader!r}, experiment {spec.data.effective_loader!r}: the two "
                      "loaders draw the rows of a step in different orders")
     diffs += [f"{key}: checkpoint {get(written, key)!r}, experiment {get(now, key)!r}" for key in RESUME_KEYS
-              if get(written, key) != get(now, key)]
+              if get(written, key) != get(now, key) and key != "model"]
+    if get(written, "model") != get(now, "model"):  # another model, or the same weights (e.g. other dropout)
+        misfit = _misfit(spec, found[-1].parent)
+        if misfit:
+            diffs.append(f"model: checkpoint {get(written, 'model')!r}, experiment {get(now, 'model')!r}: {misfit}")
+        elif log is not None:
+            log(f"--resume: model {get(written, 'model')!r} -> {get(now, 'model')!r}: the checkpoint's weights fit "
+                "the experiment's model (every name and shape)")
     if any(get(written, key) != get(now, key) for key in OPTIMIZER_KEYS):
         notes.append("the checkpoints' optimizer state holds the learning rate and optimizer settings it was "
                      "written with: a new value would not take effect")
@@ -339,6 +346,30 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
                         + "\n    ".join(diffs) + "".join(f"\n  note: {n}" for n in notes)
                         + "\n  fix: resume with the settings the run started with, or "
                         "start a new run without --resume (the earlier results are kept aside)")
+
+
+def _misfit(spec: ExperimentSpec, checkpoint: Path) -> str | None:
+    """How the experiment's model differs from a checkpoint's weights (the first name or shape), or None
+    where every weight fits: its shapes from a build on the meta device, the checkpoint's from its file's
+    header (nothing loaded)."""
+    import json
+
+    from . import models
+    from .strategies.weights import WEIGHTS_FILE, WeightsFile
+
+    try:
+        info = DatasetInfo.from_json(json.loads((checkpoint / "loop.json").read_text())["data"])
+        wanted = {k: tuple(v.shape) for k, v in models.build_on_meta(spec.model, info)[0].state_dict().items()}
+    except Exception as e:  # noqa: BLE001 - a model that cannot be built here differs for this check
+        return f"its weights cannot be compared with the experiment's model ({type(e).__name__}: {e})"
+    held = WeightsFile(checkpoint / WEIGHTS_FILE).shapes()
+    for name, shape in wanted.items():
+        if name not in held:
+            return f"the checkpoint has no {name}"
+        if held[name] != shape:
+            return f"its {name} is {list(held[name])}, the experiment's model's {list(shape)}"
+    extra = sorted(set(held) - set(wanted))
+    return f"the experiment's model has no {extra[0]}" if extra else None
 
 
 def check_prepared(spec: ExperimentSpec, info: DatasetInfo) -> None:

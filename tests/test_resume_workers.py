@@ -162,6 +162,24 @@ def test_every_engine_writes_the_plain_models_weights_and_states(runs, info):
             assert (value - reference[key]).abs().max() <= 0.05 * changed, (case, key)
 
 
+def test_a_model_change_that_keeps_every_weight_resumes_and_one_that_does_not_is_refused(runs):
+    """Against a real checkpoint's weights (names and shapes from its file, the experiment's model built on
+    the meta device): other dropout resumes, saying so; another size is refused naming the first tensor
+    that differs."""
+    from raytrain_par.driver import check_resumable
+    from raytrain_par.errors import UserError
+
+    run_dir = runs[2] / "ddp 1->2" / "straight"
+    said = []
+    check_resumable(config.parse(_spec({"name": "ddp"}, 1) | {"model": {"name": "gpt2-tiny", "dropout": 0.3}}),
+                    run_dir, said.append)
+    assert len(said) == 1 and "the checkpoint's weights fit the experiment's model" in said[0] and "0.3" in said[0]
+    with pytest.raises(UserError) as err:
+        check_resumable(config.parse(_spec("ddp", 1) | {"model": {"name": "gpt2-mini"}}), run_dir)
+    assert "model: checkpoint {'name': 'gpt2-tiny'" in str(err.value)
+    assert "its transformer.wte.weight is [512, 128], the experiment's model's" in str(err.value)
+
+
 def _plain_model(info_dict):
     from raytrain_par import models
     from raytrain_par.data.shards import DatasetInfo

@@ -133,6 +133,10 @@ class WeightsFile(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.file.get_tensor(self.aliases.get(name, name))
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight's shape, from the file's header (nothing read)."""
+        return {name: tuple(self.file.get_slice(self.aliases.get(name, name)).get_shape()) for name in self.names}
+
     def __iter__(self):
         return iter(self.names)
 
