@@ -28,6 +28,7 @@ import ray.train
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from . import checkpoints
 from . import data as data_sets
 from . import tracking
 from .config import ExperimentSpec
@@ -308,6 +309,18 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
     found = sorted(run_dir.glob("checkpoint_*/loop.json"))
     if not found:
         return  # nothing checkpointed yet: the run restarts from the beginning
+    # the newest checkpoint whose files are all there at their sizes (the workers check the sums too)
+    damaged = {c.parent: checkpoints.problem(c.parent, checksums=False) for c in found}
+    intact = [c for c in found if damaged[c.parent] is None]
+    if not intact:
+        newest = found[-1].parent
+        raise UserError(f"--resume: no checkpoint in {run_dir} is intact; the newest, {newest.name}: "
+                        f"{damaged[newest]}.\n  fix: restore its files, or start a new run without --resume "
+                        "(the earlier results are kept aside)")
+    if intact[-1] != found[-1] and log is not None:
+        log(f"--resume: {found[-1].parent.name} is damaged ({damaged[found[-1].parent]}): the run continues "
+            f"from {intact[-1].parent.name}")
+    found = intact
     written = json.loads(found[-1].read_text())["experiment"]
     now = spec.to_dict()
 

@@ -144,3 +144,20 @@ def loop_records(rank: int, world: int, spec_dict: dict, info_dict: dict, name: 
     from pathlib import Path
 
     return loop(spec_dict, info_dict, Path(root) / name)
+
+
+def written_checkpoint(run_dir, spec_dict: dict):
+    """A checkpoint of `spec_dict` in `run_dir` with no tensors (for the checks made before a resume starts):
+    its loop state, the one format's index and empty optimizer file, a manifest; returns run_dir."""
+    import json
+    from pathlib import Path
+
+    from raytrain_par import checkpoints
+    from raytrain_par.strategies import state
+
+    ckpt = Path(run_dir) / "checkpoint_2026-01-01_00-00-00"
+    ckpt.mkdir(parents=True)
+    (ckpt / "loop.json").write_text(json.dumps({"experiment": spec_dict}))
+    state.write(ckpt, [], {"optimizer": "AdamW", "scheduler": {}}, 2)
+    checkpoints.write_manifest(ckpt, 0, 1, 2)
+    return Path(run_dir)

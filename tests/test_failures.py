@@ -13,7 +13,7 @@ import torch
 from ray.util.state import list_actors
 
 from conftest import experiment_file
-from engines import experiment, exported_val_loss, loop
+from engines import experiment, exported_val_loss, loop, written_checkpoint
 from raytrain_par import checkpoints, config, models, strategies
 from raytrain_par.config import load_experiment
 from raytrain_par.data.loader import MemoryLoader
@@ -151,10 +151,7 @@ def test_damaged_checkpoints_are_found(tmp_path, damage, words):
 
 def test_resume_from_another_model_is_refused_before_start(tmp_path):
     written = _spec(tmp_path)
-    ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
-    ckpt.mkdir(parents=True)
-    (ckpt / "loop.json").write_text(json.dumps({"experiment": written.to_dict()}))
-    one_format.write(ckpt, {}, {"optimizer": "AdamW", "scheduler": {}}, 2)
+    written_checkpoint(tmp_path / "train", written.to_dict())
     check_resumable(written, tmp_path / "train")  # the same setup resumes
     other = _spec(tmp_path, "model.name=gpt2-mini", "scaling.num_workers=1", "train.global_batch_size=32")
     with pytest.raises(UserError) as err:
@@ -168,10 +165,7 @@ def test_resume_with_other_optimizer_settings_is_refused_and_a_new_schedule_is_s
     """The optimizer state restores the learning rate and settings it was written with: a changed one
     would not take effect, and is refused; a longer run continues on the experiment's new schedule."""
     written = _spec(tmp_path, "train.max_steps=10", "train.lr_schedule=cosine")
-    ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
-    ckpt.mkdir(parents=True)
-    (ckpt / "loop.json").write_text(json.dumps({"experiment": written.to_dict()}))
-    one_format.write(ckpt, {}, {"optimizer": "AdamW", "scheduler": {}}, 2)
+    written_checkpoint(tmp_path / "train", written.to_dict())
     for override, shown in [("train.lr=0.01", "train.lr: checkpoint 0.002, experiment 0.01"),
                             ("train.weight_decay=0.1", "train.weight_decay: checkpoint 0.01, experiment 0.1")]:
         with pytest.raises(UserError) as err:

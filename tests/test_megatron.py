@@ -311,16 +311,10 @@ def test_hybrid_layout_reads_one_slice_per_tensor_parallel_group():
 
 
 def test_resume_may_change_the_layout_but_not_the_model(tmp_path):
-    import json
-
     from raytrain_par.driver import check_resumable
     from raytrain_par.errors import UserError
 
-    written = experiment(strategy=megatron(2), workers=4)
-    ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
-    ckpt.mkdir(parents=True)
-    (ckpt / "loop.json").write_text(json.dumps({"experiment": written}))
-    one_format.write(ckpt, {}, {"optimizer": "AdamW", "scheduler": {}}, 2)
+    engines.written_checkpoint(tmp_path / "train", experiment(strategy=megatron(2), workers=4))
     for resumed in (experiment(strategy=megatron(1), workers=1), experiment(strategy="zero-3", workers=1),
                     experiment(strategy={"name": "pipeline", "stages": 2}, workers=2),
                     experiment(strategy={"name": "pipedream", "stages": 2}, workers=2)):

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import KJV, experiment, loop
-from raytrain_par import config
+from engines import KJV, experiment, loop, written_checkpoint
+from raytrain_par import checkpoints, config
 from raytrain_par.local_group import run_ranks
 from raytrain_par.strategies import state
 
@@ -180,6 +180,34 @@ def test_a_model_change_that_keeps_every_weight_resumes_and_one_that_does_not_is
     assert "its transformer.wte.weight is [512, 128], the experiment's model's" in str(err.value)
 
 
+def test_a_damaged_newest_checkpoint_is_passed_over_and_none_intact_is_refused(runs, tmp_path):
+    """Before any worker starts: the newest checkpoint with a file cut short (its optimizer states) is
+    passed over for the one before it, said on the console; with every checkpoint damaged the resume is
+    refused, naming the newest's problem and the fix, and nothing is touched."""
+    from raytrain_par.driver import check_resumable
+    from raytrain_par.errors import UserError
+
+    run_dir = tmp_path / "train"
+    shutil.copytree(runs[2] / "ddp 1->2" / "straight", run_dir)
+    newest_first = sorted(run_dir.glob("checkpoint_*"), reverse=True)
+    assert len(newest_first) == 2
+    for ckpt in newest_first:
+        with open(ckpt / state.OPTIMIZER_FILE, "r+b") as f:
+            f.truncate(100)
+        said = []
+        if ckpt == newest_first[0]:
+            check_resumable(config.parse(_spec("ddp", 2)), run_dir, said.append)
+            assert said == [f"--resume: {ckpt.name} is damaged (optimizer.safetensors (rank 0) has 100 bytes, "
+                            f"{(runs[2] / 'ddp 1->2' / 'straight' / ckpt.name / state.OPTIMIZER_FILE).stat().st_size}"
+                            f" were written): the run continues from {newest_first[1].name}"]
+    before = sorted((p.name, p.stat().st_size) for p in run_dir.rglob("*"))
+    with pytest.raises(UserError) as err:
+        check_resumable(config.parse(_spec("ddp", 2)), run_dir)
+    assert f"no checkpoint in {run_dir} is intact; the newest, {newest_first[0].name}: optimizer.safetensors" \
+        in str(err.value) and "fix: restore its files, or start a new run without --resume" in str(err.value)
+    assert sorted((p.name, p.stat().st_size) for p in run_dir.rglob("*")) == before
+
+
 def _plain_model(info_dict):
     from raytrain_par import models
     from raytrain_par.data.shards import DatasetInfo
@@ -191,11 +219,7 @@ def _plain_model(info_dict):
 # -- check_resumable -----------------------------------------------------------------------------------
 
 def _written(tmp_path, raw: dict) -> Path:
-    ckpt = tmp_path / "train" / "checkpoint_2026-01-01_00-00-00"
-    ckpt.mkdir(parents=True)
-    (ckpt / "loop.json").write_text(json.dumps({"experiment": config.parse(raw).to_dict()}))
-    state.write(ckpt, {}, {"optimizer": "AdamW", "scheduler": {}}, 2)
-    return tmp_path / "train"
+    return written_checkpoint(tmp_path / "train", config.parse(raw).to_dict())
 
 
 @pytest.mark.parametrize("strategy,written,resumed", [
@@ -233,6 +257,7 @@ def test_a_checkpoint_of_an_earlier_release_is_refused_with_how_to_continue(tmp_
     for f in (state.INDEX_FILE, state.OPTIMIZER_FILE):
         (ckpt / f).unlink()
     (ckpt / "ddp.pt").write_bytes(b"")
+    checkpoints.write_manifest(ckpt, 0, 1, 2)  # intact, as an earlier release wrote it
     for check in (lambda: check_resumable(config.parse(experiment(strategy=strategy, workers=2)), run_dir),
                   lambda: state.refuse_old_format(ckpt)):
         with pytest.raises(UserError) as err:
