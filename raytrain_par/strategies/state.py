@@ -17,6 +17,13 @@ checkpoint resumes under any engine, with any options, on any number of workers 
 universal checkpoints, one "atom" per parameter at its global shape; torch DCP's re-sharding by global
 offsets, whose metadata is a pickle this project does not load).
 
+Why not torch.distributed.checkpoint's safetensors storage (`HuggingFaceStorageWriter`) with
+`get_state_dict` / `set_state_dict`: those re-shard DTensor states only (FSDP2), not DeepSpeed's flat
+partitions, megatron's per-head cut or a pipeline's stages, and the storage writes each rank's shards
+to files of their own, to be consolidated before a tensor is whole under its name. So each engine
+gathers with its own library's accessors (DTensor's `full_tensor`, DeepSpeed's `safe_get_full_*`),
+one tensor at a time, and rank 0 streams them into one file per kind (weights.StreamWriter).
+
 `save` and `load` are an engine's whole part of a checkpoint, as the training loop writes and reads it.
 """
 
