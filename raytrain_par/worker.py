@@ -253,8 +253,9 @@ class Trainer:
         rng = {"torch": torch.get_rng_state()}
         if self.ctx.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
-        if self.engine.rng_state() is not None:
-            rng["engine"] = self.engine.rng_state()
+        engine_rng = self.engine.rng_state()
+        if engine_rng is not None:
+            rng["engine"] = engine_rng
         torch.save(rng, directory / f"rng-rank{self.ctx.rank}.pt")
         if self.ctx.rank == 0:
             meta = {"state": asdict(self.state), "experiment": self.spec.to_dict(), "data": self.info.to_json(),

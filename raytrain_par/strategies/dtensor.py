@@ -24,3 +24,8 @@ def slice_like(value, param):
 
     return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
 
+
+def placed_like(value: torch.Tensor, param) -> torch.Tensor:
+    """A whole tensor on `param`'s device, cut into this rank's slice where `param` is FSDP-sharded."""
+    return slice_like(value.to(local_tensor(param).device), param)
+

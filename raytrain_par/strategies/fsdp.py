@@ -32,6 +32,7 @@ from . import state
 from .base import Engine
 from .weights import one_by_one
 from .context import DTYPES, DistContext
+from .dtensor import local_tensor, placed_like, whole_tensor
 from .offload import check_host_memory
 from .optim import build_optimizer, lr_factor
 
@@ -166,7 +167,7 @@ class FSDPEngine(Engine):
     def plain_weights(self, everywhere=False):
         """An all-gather per tensor (every rank goes through them)."""
         self._resharded()
-        yield from one_by_one(self.module.state_dict(keep_vars=True), lambda name, t: _whole(t),
+        yield from one_by_one(self.module.state_dict(keep_vars=True), lambda name, t: whole_tensor(t),
                               keep=everywhere or self.ctx.rank == 0)
 
     # -- the one checkpoint format (strategies/state.py): shards gathered and cut by name -----------
@@ -174,32 +175,13 @@ class FSDPEngine(Engine):
         """An all-gather per state tensor, in the model's parameter order (the same on every rank)."""
         self._resharded()
         named = list(self.module.named_parameters())
-        yield from state.gathered(self.optimizer, named, lambda name, t: _whole(t), keep=self.ctx.rank == 0)
+        yield from state.gathered(self.optimizer, named, lambda name, t: whole_tensor(t), keep=self.ctx.rank == 0)
 
     def load_whole(self, weights, states):
         self._resharded()
         with torch.no_grad():
             for name, p in self.module.named_parameters():
-                _local(p).copy_(_local(_shard_of(weights[name], p)))
+                local_tensor(p).copy_(local_tensor(placed_like(weights[name], p)))
         for name, p in self.module.named_parameters():
             if name in states:
-                self.optimizer.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) and v.dim() == 0
-                                           else _shard_of(v, p) for k, v in states[name].items()}
-
-
-def _whole(t):
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _shard_of(whole, param: nn.Parameter):
-    """A whole tensor -> this rank's shard of it, laid out as `param` (a DTensor where `param` is one;
-    cut locally, no communication). Scalars stay."""
-    if not hasattr(param, "device_mesh") or not isinstance(whole, torch.Tensor) or whole.dim() == 0:
-        return whole.to(param.device) if isinstance(whole, torch.Tensor) else whole
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(whole.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+                self.optimizer.state[p] = state.cut(states[name], lambda t: placed_like(t, p))

@@ -48,7 +48,7 @@ from .layout import Layout, check_sharding
 from .pipeline import Schedule
 from .base import Engine
 from .context import DistContext
-from .dtensor import local_tensor, slice_like, whole_tensor
+from .dtensor import local_tensor, placed_like, slice_like, whole_tensor
 from .optim import build_optimizer, lr_factor
 from .tensor_parallel import TPGroup
 from .tensor_split import TP_RNG_OFFSET, ShapesOnly, SplitState, split_lm
@@ -299,5 +299,5 @@ class MegatronEngine(SplitState, Engine):
     def piece_of(self, name: str, whole: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
         """This rank's piece of a whole tensor of parameter `name`, laid out as `param`: its tensor-parallel
         cut, then, under fsdp, its slice of that (no communication)."""
-        return slice_like(self.cut_of(name, whole).to(local_tensor(param).device), param)
+        return placed_like(self.cut_of(name, whole), param)
 

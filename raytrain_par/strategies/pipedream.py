@@ -69,7 +69,6 @@ from ..metrics.memory import SavedActivations, Sharding, StateBytes, model_state
 from .base import Engine, optimizer_description, split_batch
 from .context import DistContext
 from .optim import build_optimizer, lr_factor
-from .weights import tied
 from .layout import Layout
 from .stages import Busy, Interval, Pipeline, validate_layout
 
@@ -492,8 +491,8 @@ class PipeDreamEngine(Engine):
         return self.pipe.optimizer_states(self.optimizer, lambda name, t: t)
 
     def plain_weights(self, everywhere=False):
-        if everywhere:
-            yield from tied(self.full_state_dict())
+        if everywhere:  # from full_state_dict, which gathers every stage to every rank
+            yield from super().plain_weights(everywhere)
         else:
             yield from self.pipe.plain_weights(lambda name, t: t)
 

@@ -55,7 +55,6 @@ from .base import Engine
 from .context import DistContext
 from .dtensor import local_tensor, whole_tensor
 from .optim import build_optimizer, lr_factor
-from .weights import tied
 from .layout import Layout, check_sharding
 from .stages import Busy, Interval, Pipeline, validate_layout
 
@@ -368,8 +367,8 @@ class PipelineEngine(Engine):
         return self.pipe.optimizer_states(self.optimizer, lambda name, t: self.whole_of(name, whole_tensor(t)))
 
     def plain_weights(self, everywhere=False):
-        if everywhere:
-            yield from tied(self.full_state_dict())
+        if everywhere:  # from full_state_dict, which gathers every stage to every rank
+            yield from super().plain_weights(everywhere)
         else:
             yield from self.pipe.plain_weights(lambda name, t: self.whole_of(name, whole_tensor(t)))
 

@@ -39,7 +39,7 @@ from .. import models
 from . import state
 from .base import padded
 from .context import DTYPES
-from .dtensor import local_tensor, slice_like, whole_tensor
+from .dtensor import local_tensor, placed_like, slice_like, whole_tensor
 from .layout import Placement
 
 # -- options shared by the pipeline engines -----------------------------------------------------
@@ -329,7 +329,7 @@ class Pipeline:
     def plain_parameters(self) -> list[tuple[str, nn.Parameter, bool]]:
         """This rank's parameters by the plain model's names: (name, parameter, whether it is an untied
         copy); a copy goes by its original's name, the one the plain model holds the tensor under."""
-        copies = {(s, local): tie.name for tie in self.ties for s, local in tie.copies}
+        copies = self._copies
         return [(copies.get((s, local)) or self.names[s][local], p, (s, local) in copies)
                 for s, module in self.modules.items() for local, p in module.named_parameters()]
 
@@ -347,7 +347,7 @@ class Pipeline:
                       ) -> Iterator[tuple[str, torch.Tensor | str | None]]:
         """This pipeline's stages' state whole by the plain model's names, one tensor at a time, as
         `optimizer_states` gives the optimizer's; an untied copy by the name of its original."""
-        copies = {(s, local): tie.name for tie in self.ties for s, local in tie.copies}
+        copies = self._copies
 
         def mine():
             for s, module in self.modules.items():
@@ -361,6 +361,11 @@ class Pipeline:
 
         for name, sent in self._to_rank0(mine()):
             yield name, None if sent is None else sent.get("tensor", sent.get("tied"))
+
+    @property
+    def _copies(self) -> dict[tuple[int, str], str]:
+        """(stage, local name) of each untied copy of a tied parameter on this rank -> its original's name."""
+        return {(s, local): tie.name for tie in self.ties for s, local in tie.copies}
 
     @property
     def _writes(self) -> bool:
@@ -388,14 +393,13 @@ class Pipeline:
         """This rank's stages and their optimizer states from the plain model's whole tensors by name:
         `cut(name, tensor)` takes this rank's piece of one (then sliced as a sharded stage holds it); an
         untied copy takes its original's; `optimizer_of(p)` is the optimizer stepping parameter p."""
-        copies = {(s, local): tie.name for tie in self.ties for s, local in tie.copies}
+        copies = self._copies
         self.load_state_dict({orig: cut(source, weights[source]) for s in self.modules
                               for local, orig in self.names[s].items()
                               for source in [copies.get((s, local)) or orig]})
         for name, p, _ in self.plain_parameters():
             if name in states:
-                optimizer_of(p).state[p] = state.cut(states[name], lambda t: slice_like(
-                    cut(name, t).to(local_tensor(p).device), p))
+                optimizer_of(p).state[p] = state.cut(states[name], lambda t: placed_like(cut(name, t), p))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict, gathered from the stages of this rank's pipeline (every rank)."""

@@ -114,6 +114,7 @@ def cut(states: dict, piece) -> dict:
     return {k: piece(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else
             v.clone() if isinstance(v, torch.Tensor) else v for k, v in states.items()}
 
+
 def old_format(directory: str | Path) -> str | None:
     """Why a checkpoint directory is one this release does not resume (written before its optimizer
     state was kept by parameter name, strategies/state.py), or None."""

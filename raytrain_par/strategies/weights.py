@@ -77,8 +77,9 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 class StreamWriter:
     """A safetensors file written one tensor at a time. safetensors' own writer takes every tensor at
     once, which would hold the whole model's weights or optimizer states in memory on the rank that
-    writes, gathered from every rank's shards: here each tensor's bytes go to a side file as it comes, and at the end the header (which must come first and
-    list every tensor) and the bytes into the file. Costs a second write of the data, not its memory."""
+    writes, gathered from every rank's shards: here each tensor's bytes go to a side file as it comes,
+    and at the end the header (which must come first and list every tensor) and the bytes into the
+    file. Costs a second write of the data, not its memory."""
 
     def __init__(self, path: Path):
         self.path, self.side = path, path.with_name(path.name + ".part")
@@ -108,15 +109,8 @@ class StreamWriter:
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    state = load_file(str(path))
-    with safe_open(str(path), "pt") as f:
-        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-    for name, target in aliases.items():
-        state[name] = state[target]
-    return state
+    """Every weight of a `write_weights` file by name (a tied one under each of its names)."""
+    return dict(WeightsFile(path))
 
 
 class WeightsFile(Mapping):
