@@ -200,6 +200,9 @@ class TrainSpec:
     eval_at_start: bool = True  # a record before the first step: where every curve starts
     checkpoint_every_evals: int = 1  # 0: no checkpoints
     keep_checkpoints: int = 2
+    # async: a save takes a snapshot of the state in host memory and training goes on while a background
+    # thread writes and reports it; sync: training waits until the checkpoint is written and reported
+    checkpoint_mode: Literal["async", "sync"] = "async"
     stop_at_target: bool = False  # end the run when the target is met
     max_failures: int = 0  # worker failures to recover from (from the latest checkpoint)
     # nodes lost to preemption (drained by the cloud or Kubernetes before they go) to recover from,

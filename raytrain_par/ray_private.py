@@ -87,6 +87,17 @@ def autoscaling_coordinator():
     return get_or_create_autoscaling_coordinator()
 
 
+def storage_context():
+    """The worker's Ray Train storage context, whose `persist_current_checkpoint` copies a checkpoint
+    directory to the run's storage as Ray Train's own upload does. A checkpoint written by a
+    `checkpoint_upload_fn` (worker.py: written in the background) then hands it over the same way.
+    `TrainContext.get_storage` is a DeveloperAPI ("may change without notice between minor
+    versions"). Checked against Ray 2.60.0."""
+    import ray.train
+
+    return ray.train.get_context().get_storage()
+
+
 def train_context_logger_name() -> str:
     """The logger Ray Train's per-report INFO lines go to. Ray Train names it after its source file,
     outside the `ray.train` logger hierarchy that RunConfig's LoggingConfig filters, so the name can

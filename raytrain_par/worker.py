@@ -37,6 +37,7 @@ from .metrics.timeline import profiled_step, warm_up_profiler
 from .strategies import DistContext, Engine
 from .strategies.context import DTYPES
 from .strategies import state as one_format
+from .saving import Save
 
 
 @dataclass
@@ -60,8 +61,16 @@ class Reporter:
 
     log: Callable[[str], None] = print
 
-    def report(self, metrics: dict, checkpoint_dir: Path | None) -> None:
+    def report(self, metrics: dict, save: Save | None) -> None:
+        """Deliver an evaluation's record, with the checkpoint `save` took at it: `save.run(hand_over)`
+        writes the checkpoint and hands it over, on the training thread (a sync save) or in the
+        background, after which `save.fill(metrics)` puts its times into the record. Records are
+        delivered in the order reported; a record without a checkpoint never waits on the training
+        thread for one being written."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Once everything reported has been delivered; a failure to deliver raised here."""
 
     def candidates(self) -> list:
         """Checkpoints to resume from, newest first (whatever `open` takes)."""
@@ -109,6 +118,7 @@ class Trainer:
         self.state = LoopState()
         self.resumed_from: int | None = None
         self.records: list[dict] = []
+        self.writing: Save | None = None  # the latest checkpoint, maybe still being written
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> list[dict]:
@@ -156,6 +166,9 @@ class Trainer:
                     steps_in_interval, t_interval = 0, time.perf_counter()
                 if epoch_done or last or stop:
                     break
+        if self.writing is not None:
+            self.writing.wait()
+        self.reporter.close()
         return self.records
 
     #: steps at the start of each run (and of each resumed run) whose model states are measured
@@ -215,22 +228,21 @@ class Trainer:
             "timestamp": time.time(), "started_at": self.started_at, "resumed_from_step": self.resumed_from,
             **self.engine.memory(), **self.engine.statistics(),
         }
-        checkpoint = None
+        save = None
         every = spec.train.checkpoint_every_evals
         if every and state.step > 0 and (state.evals % every == 0 or last or stop):
-            t1 = time.perf_counter()
-            checkpoint = Path(tempfile.mkdtemp(prefix="raytrain-par-ckpt-"))
-            state.elapsed_s = time.perf_counter() - t_begin
-            self._save(checkpoint)
-            state.checkpoint_time_s += time.perf_counter() - t1
+            save = self._checkpoint(t_begin)
         record["checkpoint_time_s"] = state.checkpoint_time_s
+        # a save's, once it is written (Save.fill)
+        record["checkpoint_stall_s"] = record["checkpoint_wait_s"] = record["checkpoint_write_s"] = None
         record["elapsed_s"] = time.perf_counter() - t_begin
         self.records.append(record)
         try:
-            self.reporter.report(record, checkpoint)
+            self.reporter.report(record, save)
         finally:
-            if checkpoint is not None:
-                shutil.rmtree(checkpoint, ignore_errors=True)
+            if save is not None and not save.background:
+                state.checkpoint_time_s += save.write_s or 0.0
+                shutil.rmtree(save.directory, ignore_errors=True)
         return stop
 
     def _utilisation(self, interval_s: float, interval_steps: int) -> dict:
@@ -246,22 +258,49 @@ class Trainer:
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def _save(self, directory: Path) -> None:
+    def _checkpoint(self, t_begin: float) -> Save:
+        """Take a checkpoint of this point of training (saving.py): under `checkpoint_mode: async` a
+        snapshot in host memory, written in the background; under `sync` written as the reporter
+        delivers it, on this thread. Waits first for the previous one's write to end."""
+        t0 = time.perf_counter()
+        if self.writing is not None:
+            self.writing.wait()
+        waited = time.perf_counter() - t0
+        background = self.spec.train.checkpoint_mode == "async"
+        directory = Path(tempfile.mkdtemp(prefix="raytrain-par-ckpt-"))
+        self.state.elapsed_s = time.perf_counter() - t_begin
         # The plain model's weights, gathered, in every checkpoint (`raytrain-par export` reads them
         # without the process group or strategy that wrote the shards), and the optimizer state by name
-        one_format.save(self.engine, directory, self.state.step)
+        part = one_format.snapshot(self.engine) if background else one_format.parts(self.engine)
+        write = functools.partial(self._write, part=part, step=self.state.step, rng=self._rng_state(),
+                                  loop=self._loop_state() if self.ctx.rank == 0 else None)
+        save = Save(directory, self.state.step, write, background)
+        save.stall_s, save.wait_s = time.perf_counter() - t0, waited
+        self.state.checkpoint_time_s += save.stall_s
+        if background:
+            self.writing = save
+        return save
+
+    def _rng_state(self) -> dict:
         rng = {"torch": torch.get_rng_state()}
         if self.ctx.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.ctx.device)
         engine_rng = self.engine.rng_state()
         if engine_rng is not None:
             rng["engine"] = engine_rng
+        return rng
+
+    def _loop_state(self) -> str:
+        return json.dumps({"state": asdict(self.state), "experiment": self.spec.to_dict(),
+                           "data": self.info.to_json(), "format": 1}, indent=1)
+
+    def _write(self, directory: Path, part: one_format.Parts, step: int, rng: dict, loop: str | None) -> None:
+        """This rank's files of a checkpoint, its manifest last (on any thread: it reads only what it is given)."""
+        one_format.write_parts(directory, part, step, self.ctx.rank == 0)
         torch.save(rng, directory / f"rng-rank{self.ctx.rank}.pt")
-        if self.ctx.rank == 0:
-            meta = {"state": asdict(self.state), "experiment": self.spec.to_dict(), "data": self.info.to_json(),
-                    "format": 1}
-            (directory / "loop.json").write_text(json.dumps(meta, indent=1))
-        checkpoints.write_manifest(directory, self.ctx.rank, self.ctx.world_size, self.state.step)
+        if loop is not None:
+            (directory / "loop.json").write_text(loop)
+        checkpoints.write_manifest(directory, self.ctx.rank, self.ctx.world_size, step)
 
     def _load(self, directory: Path) -> None:
         meta = json.loads((directory / "loop.json").read_text())
@@ -281,29 +320,66 @@ class Trainer:
 
 class LocalReporter(Reporter):
     """Reporter without Ray (torchrun, tests): rank 0 writes records; checkpoints go to <root>/checkpoint_N,
-    every rank writing its own files into the same directory."""
+    every rank writing its own files into the same directory. Records and background writes are
+    delivered in order by one thread."""
 
     def __init__(self, root: str | Path, rank: int, world_size: int, resume: bool = False, log=print):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.root, self.rank, self.world, self.log = Path(root), rank, world_size, log
         self.resume = resume
         self.writer = RecordWriter(self.root / "metrics.parquet") if rank == 0 else None
         self.count = len(list(self.root.glob("checkpoint_*/"))) if self.root.exists() else 0
+        self.pool, self.delivering = ThreadPoolExecutor(1, thread_name_prefix="raytrain-par-reporter"), []
+        self.failure: BaseException | None = None
 
-    def report(self, metrics, checkpoint_dir):
-        if self.writer is not None:
-            self.writer.append(merge([metrics]))
-            self.log(progress_line(metrics))
-        if checkpoint_dir is not None:
+    def report(self, metrics, save):
+        self._raise_failed()
+        target = None
+        if save is not None:
             target = self.root / f"checkpoint_{self.count:06d}"
-            target.mkdir(parents=True, exist_ok=True)
-            for f in checkpoint_dir.iterdir():
-                shutil.copy2(f, target / f.name)
             self.count += 1
+        delivering = self.pool.submit(self._deliver, metrics, save, target)
+        self.delivering.append(delivering)
+        if save is not None and not save.background:
+            delivering.result()
         if self.world > 1:
             torch.distributed.barrier()
 
+    def _deliver(self, metrics, save, target):
+        if self.failure is not None:  # after a failed write nothing more is delivered: records stay in order
+            return
+        try:
+            if save is not None:
+                try:
+                    save.run(functools.partial(_copy_dir, save.directory, target))
+                finally:
+                    shutil.rmtree(save.directory, ignore_errors=True)
+                save.fill(metrics)
+            if self.writer is not None:
+                self.writer.append(merge([metrics]))
+                self.log(progress_line(metrics))
+        except BaseException as e:
+            self.failure = e
+            raise
+
+    def _raise_failed(self):
+        self.delivering = [d for d in self.delivering if not d.done()]
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self):
+        self.pool.shutdown(wait=True)
+        self._raise_failed()
+
     def candidates(self):
         return sorted(self.root.glob("checkpoint_*/"), reverse=True) if self.resume else []
+
+
+def _copy_dir(source: Path, target: Path) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        shutil.copy2(f, target / f.name)
 
 
 def steps_per_epoch(spec: ExperimentSpec, info: DatasetInfo) -> int:
@@ -345,11 +421,29 @@ class RayReporter(Reporter):
     def __init__(self, log=print):
         self.log = log
 
-    def report(self, metrics, checkpoint_dir):
+    def report(self, metrics, save):
+        """Through `ray.train.report`: a record without a checkpoint, or with one saved in the background,
+        in Ray Train's ASYNC mode (its one upload thread writes the checkpoint and copies it to the run's
+        storage, then delivers the record, in the order reported); a sync save in its SYNC mode, written
+        and copied by this thread. Either way the checkpoint is written by `checkpoint_upload_fn`, so
+        that Ray Train registers it only once written."""
         import ray.train
 
-        checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
-        ray.train.report(metrics, checkpoint=checkpoint)
+        if save is None:
+            ray.train.report(metrics, checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC)
+            return
+
+        def write_and_upload(checkpoint, name):
+            from .ray_private import storage_context
+
+            persisted = save.run(lambda: storage_context().persist_current_checkpoint(checkpoint, name))
+            save.fill(metrics)
+            return persisted
+
+        mode = ray.train.CheckpointUploadMode.ASYNC if save.background else ray.train.CheckpointUploadMode.SYNC
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(save.directory)),
+                         checkpoint_upload_mode=mode, checkpoint_upload_fn=write_and_upload,
+                         delete_local_checkpoint_after_upload=True)
 
     def candidates(self):
         import ray.train

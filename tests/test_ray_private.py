@@ -110,6 +110,12 @@ def test_the_cheap_helpers_answer():
     assert Path(ray_private.train_context_logger_name()).is_file()
     assert Path(ray_private.ray_address_file()).is_absolute()
     assert importlib.util.find_spec(ray_private.DATA_PROGRESS_LOGGER) is not None
+    # storage_context() needs a Ray Train worker (async checkpoints run it in every Ray run); what it
+    # returns must still copy a checkpoint as Ray Train's own upload does
+    from ray.train.v2._internal.execution.storage import StorageContext
+    from ray.train.v2.api.context import TrainContext
+
+    assert hasattr(TrainContext, "get_storage") and hasattr(StorageContext, "persist_current_checkpoint")
 
 
 def test_importing_ray_private_imports_no_ray():

@@ -23,7 +23,8 @@ COLUMNS = [
     "experiment", "trial", "strategy", "num_workers", "pipeline_parallel", "tensor_parallel", "data_parallel",
     "data_parallel_sharding", "global_batch_size", "epoch", "step", "samples_seen",
     "wall_time_s", "elapsed_s", "startup_s", "train_loss", "val_loss", "val_perplexity", "val_accuracy", "lr",
-    "throughput", "step_time_s", "eval_time_s", "checkpoint_time_s", "target_met", "timestamp", "started_at",
+    "throughput", "step_time_s", "eval_time_s", "checkpoint_time_s",
+    "checkpoint_stall_s", "checkpoint_wait_s", "checkpoint_write_s", "target_met", "timestamp", "started_at",
     "resumed_from_step",
     "model_flops_per_step", "achieved_tflops", "peak_tflops", "peak_source", "probe_tflops", "mfu", "comm_fraction",
     "mem_peak_bytes", "mem_model_state_bytes", "mem_param_bytes", "mem_grad_bytes", "mem_optim_bytes",
@@ -31,8 +32,10 @@ COLUMNS = [
 ]
 MEMORY = [c for c in COLUMNS if c.startswith("mem_")]
 # Each worker probes its own peak, times its own steps and profiles its own waits: the record keeps
-# the largest of each (for comm_fraction, the worker that waited longest).
-PER_WORKER = ["achieved_tflops", "peak_tflops", "probe_tflops", "mfu", "comm_fraction"]
+# the largest of each (for comm_fraction, the worker that waited longest; for a checkpoint's stall and
+# write, the slowest worker's, rank 0's that writes the tensors).
+PER_WORKER = ["achieved_tflops", "peak_tflops", "probe_tflops", "mfu", "comm_fraction", "checkpoint_stall_s",
+              "checkpoint_wait_s", "checkpoint_write_s"]
 
 
 def merge(reports: list[dict]) -> dict:

@@ -29,10 +29,12 @@ one tensor at a time, and rank 0 streams them into one file per kind (weights.St
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -148,19 +150,62 @@ def _number(value):
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 
-def save(engine, directory: Path, step: int) -> None:
-    """An engine's part of a checkpoint (every rank calls it): rank 0 writes the plain model's weights,
-    the optimizer states and the index."""
-    rank0 = engine.ctx.rank == 0
-    # each gathered one tensor at a time as the files are written (the gathers are collectives: every
-    # rank goes through them)
-    weights, states = engine.plain_weights(), engine.optimizer_states()
-    if rank0:
-        write_weights(weights, directory / WEIGHTS_FILE)
-        write(directory, states, engine.format_extras(), step)
+class Parts(NamedTuple):
+    """An engine's part of a checkpoint: the plain model's weights and the optimizer states by name (as
+    `Engine.plain_weights` and `Engine.optimizer_states` give them) and the index's numbers."""
+
+    weights: Iterable[tuple[str, torch.Tensor | str | None]]
+    states: Iterable[tuple[str, dict | None]]
+    extras: dict
+
+
+def parts(engine) -> Parts:
+    """The engine's part, gathered one tensor at a time as the files are written (the gathers are
+    collectives: every rank goes through them, in the same order)."""
+    return Parts(engine.plain_weights(), engine.optimizer_states(), engine.format_extras())
+
+
+def snapshot(engine) -> Parts:
+    """The engine's part gathered now into host memory, for a background thread to write while training
+    goes on (every rank calls it: the gathers are collectives): rank 0 holds a copy of every whole tensor
+    (a tensor an engine hands over may be the live one, which the next step changes), the others
+    nothing. A tensor still on an accelerator is copied into pinned memory without waiting for each
+    copy; the snapshot waits for them all once, at its end."""
+    keep = engine.ctx.rank == 0
+    weights = [(name, _host(v) if keep else None) for name, v in engine.plain_weights()]
+    states = [(name, {k: _host(v) for k, v in held.items()} if keep and held is not None else None)
+              for name, held in engine.optimizer_states()]
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    if not keep:
+        return Parts([], [], {})
+    return Parts(weights, states, copy.deepcopy(engine.format_extras()))
+
+
+def _host(value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.detach()
+    if value.device.type == "cpu":
+        return value.clone()
+    out = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    return out.copy_(value, non_blocking=True)
+
+
+def write_parts(directory: Path, part: Parts, step: int, writes: bool) -> None:
+    """`part` into `directory` where this rank `writes` (rank 0: the weights, the optimizer states, the
+    index); elsewhere its iterators are only run through, for the collectives they make."""
+    if writes:
+        write_weights(part.weights, directory / WEIGHTS_FILE)
+        write(directory, part.states, part.extras, step)
     else:
-        for _ in itertools.chain(weights, states):
+        for _ in itertools.chain(part.weights, part.states):
             pass
+
+
+def save(engine, directory: Path, step: int) -> None:
+    """An engine's part of a checkpoint, written now (every rank calls it)."""
+    write_parts(directory, parts(engine), step, engine.ctx.rank == 0)
 
 
 def load(engine, directory: Path) -> None:
