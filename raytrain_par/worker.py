@@ -119,6 +119,7 @@ class Trainer:
         self.resumed_from: int | None = None
         self.records: list[dict] = []
         self.writing: Save | None = None  # the latest checkpoint, maybe still being written
+        self.snapshot_buffers: dict = {}  # host memory of async checkpoints, reused by each (state.snapshot)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> list[dict]:
@@ -271,7 +272,7 @@ class Trainer:
         self.state.elapsed_s = time.perf_counter() - t_begin
         # The plain model's weights, gathered, in every checkpoint (`raytrain-par export` reads them
         # without the process group or strategy that wrote the shards), and the optimizer state by name
-        part = one_format.snapshot(self.engine) if background else one_format.parts(self.engine)
+        part = one_format.snapshot(self.engine, self.snapshot_buffers) if background else one_format.parts(self.engine)
         write = functools.partial(self._write, part=part, step=self.state.step, rng=self._rng_state(),
                                   loop=self._loop_state() if self.ctx.rank == 0 else None)
         save = Save(directory, self.state.step, write, background)

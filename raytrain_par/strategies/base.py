@@ -493,6 +493,16 @@ class Engine(ABC):
     def load_rng_state(self, state: dict) -> None:
         """`rng_state` of the rank of this number that wrote the checkpoint (or of rank 0, where none did)."""
 
+    def gather_later(self, copy: Callable[[str, torch.Tensor], torch.Tensor]
+                     ) -> Callable[[], tuple[Iterator, Iterator]] | None:
+        """For a checkpoint written in the background (strategies/state.py `snapshot`): copy this rank's
+        own pieces of every weight and optimizer state now with `copy(key, tensor)` (no communication),
+        and return a function that gives `plain_weights()` and `optimizer_states()` of those copies, made
+        whole over process groups of their own (gloo, host tensors), which a background thread may use
+        while training runs its own collectives. Every rank calls both, in the same order. None (the
+        default): the engine's gathers run on the training thread, into a snapshot of whole tensors."""
+        return None
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict (gathered where it is sharded), on every rank."""
         return as_state_dict(self.plain_weights(everywhere=True))

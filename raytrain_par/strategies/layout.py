@@ -141,15 +141,16 @@ class Placement:
             return None
         return self.mesh if self.mesh.mesh_dim_names == (dim,) else self.mesh[dim]
 
-    def group_along(self, dim: str, members: list[int] | None = None, tag: str = ""):
+    def group_along(self, dim: str, members: list[int] | None = None, tag: str = "", backend: str | None = None):
         """A process group of its own along `dim` ("pp", "dp" or "tp"): the ranks that share this rank's
         other coordinates and whose coordinate along `dim` is in `members` (default: all of them). A
         collective: every rank calls it with the same arguments, and each gets its own group, or None
         where its coordinate is not in `members`. Made once per (dim, members, tag); `tag` tells
-        groups of the same ranks apart (NCCL orders the operations of one communicator)."""
+        groups of the same ranks apart (NCCL orders the operations of one communicator); `backend`: the
+        group's (default: the default group's; "gloo" for host tensors beside an NCCL run)."""
         axis = DIMENSIONS.index(dim)
         members = tuple(range(self.layout.degrees[axis]) if members is None else members)
-        key = (dim, members, tag)
+        key = (dim, members, tag, backend)
         if key not in self._extra:
             # rank = (p * D + d) * T + t: the ranks laid out (P, D, T), one row per group along `dim`,
             # the rows in (p, d, t) order of the other coordinates
@@ -157,7 +158,7 @@ class Placement:
             mine = None
             for row in grid.reshape(-1, grid.shape[-1]).tolist():
                 ranks = [row[m] for m in members]
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, backend=backend)
                 if self.rank in ranks:
                     mine = group
             self._extra[key] = mine

@@ -288,6 +288,38 @@ class MegatronEngine(SplitState, Engine):
         return state.gathered(self.optimizer, named, lambda name, t: self.whole_of(name, whole_tensor(t)),
                               keep=self.ctx.rank == 0)
 
+    def gather_later(self, copy):
+        """Without fsdp over the replicas: each rank copies its tensor-parallel shards; they are joined
+        later over a gloo group of the same tensor-parallel ranks. (Under fsdp the shards are gathered
+        over the replicas first, with DTensor's `full_tensor` on the training mesh: on the training
+        thread.)"""
+        if self.fsdp:
+            return None
+        group = self.placement.group_along("tp", tag="checkpoint", backend="gloo") if self.tp.size > 1 else None
+        tp = TPGroup(group, self.tp.size, self.tp.rank)
+        shard = self.model.state_dict(keep_vars=True)
+        if self.tied_head:
+            shard[self.tied_head] = shard[next(iter(self.vocab_names))]
+        by_id, pieces = {}, {}
+        for k in self.plain_keys:
+            if id(shard[k]) not in by_id:
+                by_id[id(shard[k])] = copy(f"weights/{k}", shard[k])
+            pieces[k] = by_id[id(shard[k])]
+        named = [(self.names[p], p) for g in self.optimizer.param_groups for p in g["params"]]
+        held = [(name, {k: copy(f"states/{name}/{k}", v) if isinstance(v, torch.Tensor) else v
+                        for k, v in self.optimizer.state[p].items()}) for name, p in named if self.optimizer.state.get(p)]
+        keep = self.ctx.rank == 0
+
+        def optimizer_states():
+            for name, states in held:
+                whole = {k: self.whole_of(name, v, tp) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                         for k, v in states.items()}
+                yield name, whole if keep else None
+
+        def gathered():
+            return one_by_one(pieces, lambda name, t: self.whole_of(name, t, tp), keep), optimizer_states()
+        return gathered
+
     def load_whole(self, weights, states):
         params = dict(self.model.named_parameters())
         self.model.load_state_dict({k: slice_like(self.cut_of(k, weights[k]), params.get(k))

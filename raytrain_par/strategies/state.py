@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -165,36 +165,65 @@ def parts(engine) -> Parts:
     return Parts(engine.plain_weights(), engine.optimizer_states(), engine.format_extras())
 
 
-def snapshot(engine) -> Parts:
-    """The engine's part gathered now into host memory, for a background thread to write while training
-    goes on (every rank calls it: the gathers are collectives): rank 0 holds a copy of every whole tensor
-    (a tensor an engine hands over may be the live one, which the next step changes), the others
-    nothing. A tensor still on an accelerator is copied into pinned memory without waiting for each
-    copy; the snapshot waits for them all once, at its end."""
-    keep = engine.ctx.rank == 0
-    weights = [(name, _host(v) if keep else None) for name, v in engine.plain_weights()]
-    states = [(name, {k: _host(v) for k, v in held.items()} if keep and held is not None else None)
+def snapshot(engine, buffers: dict | None = None) -> Parts | Callable[[], Parts]:
+    """The engine's part taken now, for a background thread to write while training goes on (every rank
+    calls it, at the same point of training). `buffers` (kept by the caller from one snapshot to the
+    next): the host tensors of the previous snapshot, copied into again, so that host memory is allocated
+    and paged in once per run, as torch DCP's async_save keeps its staging buffers (pinned where the
+    tensors come from an accelerator, copied without waiting for each; the snapshot waits for them all
+    once, at its end). A snapshot may reuse them only once the previous one has been written.
+
+    Where the engine gathers later (`Engine.gather_later`), each rank copies only its own pieces, and a
+    function is returned that makes them whole on the background thread (over process groups of their
+    own). Otherwise the engine's gathers run here, on the training thread, and rank 0 holds a copy of
+    every whole tensor (one an engine hands over may be the live one, which the next step changes), the
+    others nothing."""
+    keep, buffers = engine.ctx.rank == 0, {} if buffers is None else buffers
+    extras = copy.deepcopy(engine.format_extras()) if keep else {}
+    later = engine.gather_later(lambda key, value: _copied(buffers, key, value))
+    if later is not None:
+        _synchronize(engine)
+
+        def whole() -> Parts:
+            weights, states = later()
+            return Parts(weights, states, extras)
+        return whole
+
+    def host(key, value):
+        if not keep or not isinstance(value, torch.Tensor):
+            return value if keep else None
+        return _copied(buffers, key, value)
+
+    weights = [(name, host(f"weights/{name}", v)) for name, v in engine.plain_weights()]
+    states = [(name, {k: host(f"states/{name}/{k}", v) for k, v in held.items()} if keep and held is not None else None)
               for name, held in engine.optimizer_states()]
+    _synchronize(engine)
+    return Parts(weights, states, extras) if keep else Parts([], [], {})
+
+
+def _copied(buffers: dict, key: str, value: torch.Tensor) -> torch.Tensor:
+    """`value` copied into host memory: into `buffers[key]` where an earlier snapshot left one of its
+    shape and dtype (a 0-dim tensor, the step, cloned)."""
+    value = value.detach()
+    if value.dim() == 0:
+        return value.clone().cpu()
+    held = buffers.get(key)
+    if held is None or held.shape != value.shape or held.dtype != value.dtype:
+        held = buffers[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=value.device.type == "cuda")
+    return held.copy_(value, non_blocking=value.device.type == "cuda")
+
+
+def _synchronize(engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
-    if not keep:
-        return Parts([], [], {})
-    return Parts(weights, states, copy.deepcopy(engine.format_extras()))
-
-
-def _host(value):
-    if not isinstance(value, torch.Tensor):
-        return value
-    value = value.detach()
-    if value.device.type == "cpu":
-        return value.clone()
-    out = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-    return out.copy_(value, non_blocking=True)
 
 
 def write_parts(directory: Path, part: Parts, step: int, writes: bool) -> None:
     """`part` into `directory` where this rank `writes` (rank 0: the weights, the optimizer states, the
-    index); elsewhere its iterators are only run through, for the collectives they make."""
+    index); elsewhere its iterators are only run through, for the collectives they make. `part` may be a
+    snapshot's function that gives it (gathering as its iterators go)."""
+    if callable(part):
+        part = part()
     if writes:
         write_weights(part.weights, directory / WEIGHTS_FILE)
         write(directory, part.states, part.extras, step)

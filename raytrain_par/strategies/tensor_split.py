@@ -227,9 +227,10 @@ class SplitState:
     tp: TPGroup
     rng: tp_ops.ParallelRNG
 
-    def whole_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """Whole from this rank's shard (a collective over the tensor-parallel group for a split tensor)."""
-        return _whole(name, t, self.splits, self.vocab_names, self.vocab_size, self.tp)
+    def whole_of(self, name: str, t: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor:
+        """Whole from this rank's shard (a collective over the tensor-parallel group, or over `tp`, a
+        group of the same ranks, for a split tensor)."""
+        return _whole(name, t, self.splits, self.vocab_names, self.vocab_size, tp or self.tp)
 
     def cut_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole tensor (no communication): Megatron's cut, the vocabulary padded

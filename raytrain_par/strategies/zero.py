@@ -311,6 +311,7 @@ class ZeroEngine(Engine):
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(train, total_steps)),
             dist_init_required=False)
         self.compute_dtype = DTYPES[train.precision]
+        self.offloaded = options.offload_optimizer or options.offload_param
         if self.measures_noise_scale(options, train, self.layout):
             # Stages 2 and 3 reduce each parameter's gradient in a hook as soon as the backward pass
             # has computed it, micro-batch by micro-batch: a worker's gradient is whole only there.
@@ -508,6 +509,56 @@ class ZeroEngine(Engine):
             return safe_get_full_fp32_param(t).reshape(_shape(t)) if isinstance(t, nn.Parameter) else t
 
         yield from one_by_one(self.model.state_dict(keep_vars=True), whole, keep=everywhere or self.ctx.rank == 0)
+
+
+    def gather_later(self, copy):
+        """Stage 3, not offloaded: each rank copies its partition of every parameter's fp32 weight and
+        optimizer states (DeepSpeed's `_get_fp32_opt_state_partition`: the piece its `get_full_hp_param`
+        gathers, a private method as of DeepSpeed 0.19.8); they are gathered later over a gloo group of
+        the same ranks, as DeepSpeed's `_fp32_state_allgather` does, into the tensors its accessors give.
+        Stages 1 and 2 (whose accessors all-reduce through each parameter's mapping onto the flat
+        partitions) and offloaded states gather on the training thread."""
+        opt, sd = self.optimizer, self.model.state_dict(keep_vars=True)
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if self.stage != 3 or self.offloaded or any(isinstance(t, nn.Parameter) and not t.requires_grad
+                                                    for t in sd.values()):
+            return None
+        group = self.placement.group_along("dp", tag="checkpoint", backend="gloo")
+        if dist.get_world_size(group) != dist.get_world_size(opt._get_param_partition_group(trainable[0][1])):
+            return None
+
+        def piece(p, key=None):
+            return opt._get_fp32_opt_state_partition(p, release_swap_buffers=True, optim_state_key=key)[0]
+
+        by_id, pieces = {}, {}
+        for name, t in sd.items():
+            if id(t) not in by_id:
+                by_id[id(t)] = (copy(f"weights/{name}", piece(t)), t.ds_numel, _shape(t)) \
+                    if isinstance(t, nn.Parameter) else (copy(f"weights/{name}", t), None, None)
+            pieces[name] = by_id[id(t)]
+        first = opt.optimizer.state.get(self._masters()[0], {})
+        keys = sorted(k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        scalars = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                   for k, v in first.items() if k not in keys}
+        states = [(name, p.ds_numel, _shape(p), {k: copy(f"states/{name}/{k}", piece(p, k)) for k in keys})
+                  for name, p in trainable] if first else []
+        keep = self.ctx.rank == 0
+
+        def whole(part, numel, shape):
+            out = torch.empty(part.numel() * dist.get_world_size(group), dtype=part.dtype)
+            dist.all_gather(list(out.chunk(dist.get_world_size(group))), part.contiguous(), group=group)
+            return out[:numel].view(shape)
+
+        def optimizer_states():
+            for name, numel, shape, held in states:
+                gathered = {k: whole(v, numel, shape) for k, v in held.items()}
+                yield name, {**gathered, **{k: v.clone() if isinstance(v, torch.Tensor) else v
+                                            for k, v in scalars.items()}} if keep else None
+
+        def gathered():
+            return (one_by_one(pieces, lambda name, held: held[0] if held[1] is None else whole(*held), keep),
+                    optimizer_states())
+        return gathered
 
 
 def _at_end_of_backward(fn):
