@@ -306,7 +306,9 @@ def test_resume_that_cannot_continue_is_refused_naming_what_differs(tmp_path, wr
 def test_a_run_resumes_under_another_strategy_as_a_user_types_it(ray_cluster, tmp_path):
     """`raytrain-par run --resume --set strategy=zero-3 --set scaling.num_workers=1` on a run trained with
     megatron T=2 on 2 workers ends with the losses of the run that trained straight through (constant
-    learning rate, no dropout: only the strategy and the worker count differ)."""
+    learning rate, no dropout: only the strategy and the worker count differ). The run it resumes wrote
+    its checkpoint sync, the others async: each record of a save carries its stall and its write, through
+    Ray Train's SYNC and ASYNC reports alike."""
     import yaml
 
     from raytrain_par import cli
@@ -319,13 +321,18 @@ def test_a_run_resumes_under_another_strategy_as_a_user_types_it(ray_cluster, tm
     f = tmp_path / "e.yaml"
     f.write_text(yaml.safe_dump(raw))
     assert cli.main(["run", str(f)]) == 0
-    f.write_text(yaml.safe_dump({**raw, "name": "resumed", "train": {**raw["train"], "max_steps": 3}}))
+    f.write_text(yaml.safe_dump({**raw, "name": "resumed",
+                                 "train": {**raw["train"], "max_steps": 3, "checkpoint_mode": "sync"}}))
     assert cli.main(["run", str(f)]) == 0
     assert cli.main(["run", str(f), "--resume", "--set", "strategy=zero-3", "--set", "scaling.num_workers=1",
-                     "--set", "train.max_steps=6"]) == 0
+                     "--set", "train.max_steps=6", "--set", "train.checkpoint_mode=async"]) == 0
     straight = read_records(tmp_path / "straight" / "metrics.parquet")
     resumed = read_records(tmp_path / "resumed" / "metrics.parquet")
     assert [r["step"] for r in resumed] == [0, 3, 6] and resumed[-1]["strategy"] == "zero-3"
     assert resumed[-1]["num_workers"] == 1 and straight[-1]["num_workers"] == 2
     for key in ("train_loss", "val_loss"):
         assert resumed[-1][key] == pytest.approx(straight[-1][key], rel=1e-5, abs=0)
+    for r in straight[1:] + resumed[1:]:
+        assert r["checkpoint_write_s"] > 0 and r["checkpoint_stall_s"] > 0, r["step"]
+    assert straight[0]["checkpoint_write_s"] is None  # the evaluation before training saves nothing
+    assert resumed[1]["checkpoint_stall_s"] >= resumed[1]["checkpoint_write_s"]  # sync: the write is the stall
