@@ -29,16 +29,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-MODES = ("async", "sync")
-
-
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written: the run stops; the records and checkpoints written before it stay."""
 
 
 class Save:
     """One checkpoint: `write(directory)` writes its files; `run` writes them and hands the directory
-    over (once, on whichever thread calls it); `done` once that has ended, or failed."""
+    over (once, on whichever thread calls it); `wait` until that has ended, or failed."""
 
     def __init__(self, directory: Path, step: int, write: Callable[[Path], None], background: bool):
         self.directory, self.step, self._write, self.background = Path(directory), step, write, background
@@ -77,10 +74,6 @@ class Save:
         record["checkpoint_stall_s"] = self.stall_s if self.background else self.stall_s + (self.write_s or 0.0)
         if not self.background:
             record["checkpoint_time_s"] = (record.get("checkpoint_time_s") or 0.0) + (self.write_s or 0.0)
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
 
     def wait(self) -> None:
         """Until it is written and handed over; its failure raised here."""

@@ -331,7 +331,7 @@ class LocalReporter(Reporter):
         self.resume = resume
         self.writer = RecordWriter(self.root / "metrics.parquet") if rank == 0 else None
         self.count = len(list(self.root.glob("checkpoint_*/"))) if self.root.exists() else 0
-        self.pool, self.delivering = ThreadPoolExecutor(1, thread_name_prefix="raytrain-par-reporter"), []
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="raytrain-par-reporter")
         self.failure: BaseException | None = None
 
     def report(self, metrics, save):
@@ -341,7 +341,6 @@ class LocalReporter(Reporter):
             target = self.root / f"checkpoint_{self.count:06d}"
             self.count += 1
         delivering = self.pool.submit(self._deliver, metrics, save, target)
-        self.delivering.append(delivering)
         if save is not None and not save.background:
             delivering.result()
         if self.world > 1:
@@ -365,7 +364,6 @@ class LocalReporter(Reporter):
             raise
 
     def _raise_failed(self):
-        self.delivering = [d for d in self.delivering if not d.done()]
         if self.failure is not None:
             raise self.failure
 

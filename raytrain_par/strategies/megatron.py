@@ -31,6 +31,7 @@ another strategy. Each tensor rank's attention-dropout stream rides in its rank'
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -52,7 +53,7 @@ from .dtensor import local_tensor, placed_like, slice_like, whole_tensor
 from .optim import build_optimizer, lr_factor
 from .tensor_parallel import TPGroup
 from .tensor_split import TP_RNG_OFFSET, ShapesOnly, SplitState, split_lm
-from .weights import one_by_one
+from .weights import copied_once, one_by_one
 
 
 @dataclass
@@ -300,24 +301,15 @@ class MegatronEngine(SplitState, Engine):
         shard = self.model.state_dict(keep_vars=True)
         if self.tied_head:
             shard[self.tied_head] = shard[next(iter(self.vocab_names))]
-        by_id, pieces = {}, {}
-        for k in self.plain_keys:
-            if id(shard[k]) not in by_id:
-                by_id[id(shard[k])] = copy(f"weights/{k}", shard[k])
-            pieces[k] = by_id[id(shard[k])]
+        pieces = copied_once({k: shard[k] for k in self.plain_keys}, lambda k, t: copy(f"weights/{k}", t))
         named = [(self.names[p], p) for g in self.optimizer.param_groups for p in g["params"]]
         held = [(name, {k: copy(f"states/{name}/{k}", v) if isinstance(v, torch.Tensor) else v
                         for k, v in self.optimizer.state[p].items()}) for name, p in named if self.optimizer.state.get(p)]
         keep = self.ctx.rank == 0
 
-        def optimizer_states():
-            for name, states in held:
-                whole = {k: self.whole_of(name, v, tp) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                         for k, v in states.items()}
-                yield name, whole if keep else None
-
         def gathered():
-            return one_by_one(pieces, lambda name, t: self.whole_of(name, t, tp), keep), optimizer_states()
+            whole = functools.partial(self.whole_of, tp=tp)
+            return one_by_one(pieces, whole, keep), state.whole_states(held, whole, keep)
         return gathered
 
     def load_whole(self, weights, states):

@@ -101,8 +101,13 @@ def gathered(optimizer: torch.optim.Optimizer, named, whole, keep: bool) -> Iter
     """The optimizer states of `named` ((plain name, parameter) pairs) whole, by name, one parameter at a
     time: `whole(name, t)` makes one state tensor whole from this rank's piece (collectives: every rank
     calls it, in the same order); each is given where `keep` (the rank that writes it), None elsewhere."""
-    for name, p in named:
-        state = optimizer.state.get(p)
+    return whole_states(((name, optimizer.state.get(p)) for name, p in named), whole, keep)
+
+
+def whole_states(held: Iterable[tuple[str, dict | None]], whole, keep: bool) -> Iterator[tuple[str, dict | None]]:
+    """`gathered` of (plain name, this rank's optimizer states) pairs (the live ones, or a snapshot's copies);
+    a parameter without states is left out."""
+    for name, state in held:
         if not state:
             continue
         states = {k: whole(name, v).detach().cpu() if isinstance(v, torch.Tensor) and v.dim() > 0 else v

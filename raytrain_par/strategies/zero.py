@@ -41,7 +41,7 @@ from .layout import Layout
 from .base import Engine, optimizer_description, split_batch
 from .context import DTYPES, DistContext
 from .offload import check_host_memory
-from .weights import one_by_one
+from .weights import copied_once, one_by_one
 from .optim import build_optimizer, lr_factor
 
 
@@ -510,7 +510,6 @@ class ZeroEngine(Engine):
 
         yield from one_by_one(self.model.state_dict(keep_vars=True), whole, keep=everywhere or self.ctx.rank == 0)
 
-
     def gather_later(self, copy):
         """Stage 3, not offloaded: each rank copies its partition of every parameter's fp32 weight and
         optimizer states (DeepSpeed's `_get_fp32_opt_state_partition`: the piece its `get_full_hp_param`
@@ -530,12 +529,8 @@ class ZeroEngine(Engine):
         def piece(p, key=None):
             return opt._get_fp32_opt_state_partition(p, release_swap_buffers=True, optim_state_key=key)[0]
 
-        by_id, pieces = {}, {}
-        for name, t in sd.items():
-            if id(t) not in by_id:
-                by_id[id(t)] = (copy(f"weights/{name}", piece(t)), t.ds_numel, _shape(t)) \
-                    if isinstance(t, nn.Parameter) else (copy(f"weights/{name}", t), None, None)
-            pieces[name] = by_id[id(t)]
+        pieces = copied_once(sd, lambda name, t: (copy(f"weights/{name}", piece(t)), t.ds_numel, _shape(t))
+                             if isinstance(t, nn.Parameter) else (copy(f"weights/{name}", t), None, None))
         first = opt.optimizer.state.get(self._masters()[0], {})
         keys = sorted(k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
         scalars = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
