@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .adaptive import efficiency
 from .efficiency import crossing
 
 
@@ -78,7 +79,7 @@ class Reference:
     def efficiency(self, batch: int) -> float:
         """Statistical efficiency against the reference batch M0, (B_noise + M0) / (B_noise + M) (Pollux):
         the reference's rows to target over those of batch M; 1 at M0, less for larger batches."""
-        return (self.noise_scale + self.batch) / (self.noise_scale + batch)
+        return efficiency(self.noise_scale, batch, self.batch)
 
 
 def fit_reference(records: list[dict], metric: str, target: float, mode: str) -> Reference | None:
