@@ -172,6 +172,19 @@ class ScalingSpec:
 
 
 @dataclass
+class AdaptiveBatchSpec:
+    """`train.adaptive_batch`: the global batch changes while training, to the one of greatest goodput
+    (metrics/adaptive.py); train.global_batch_size is where it starts."""
+
+    max_global_batch_size: int
+    min_global_batch_size: Optional[int] = None  # default: train.global_batch_size
+    # the learning rate at batch M: AdaScale's gain, sqrt(M / M0) or M / M0 times the schedule's, which
+    # runs on progress (steps of the starting batch M0), each step advancing it by the same factor
+    lr_scaling: Literal["adascale", "sqrt", "linear"] = "adascale"
+    every_evals: int = 1  # evaluations between two decisions
+
+
+@dataclass
 class TrainSpec:
     global_batch_size: int = 32
     gradient_accumulation_steps: int = 1
@@ -208,6 +221,7 @@ class TrainSpec:
     # nodes lost to preemption (drained by the cloud or Kubernetes before they go) to recover from,
     # counted apart from max_failures; -1: any number
     max_preemptions: int = -1
+    adaptive_batch: Optional[AdaptiveBatchSpec] = None
 
 
 @dataclass
@@ -554,6 +568,43 @@ def _validate_layout(spec: ExperimentSpec) -> None:
                           f"does not split evenly over {dp} data-parallel workers x {t.gradient_accumulation_steps} "
                           "accumulation steps",
                           f"use a multiple of {per_step}, e.g. {lo} or {lo + per_step}")
+    if t.adaptive_batch is not None:
+        _validate_adaptive(spec)
+
+
+def _validate_adaptive(spec: ExperimentSpec) -> None:
+    """An adaptive batch: bounds that hold the start, that the layout can cut, and a strategy that measures
+    the gradient noise scale the decision needs."""
+    t, a = spec.train, spec.train.adaptive_batch
+    lo = a.min_global_batch_size or t.global_batch_size
+    _check(a.every_evals >= 1, "train.adaptive_batch.every_evals", a.every_evals, "must be >= 1",
+           "use 1 (a decision at every evaluation)")
+    _check(lo >= 1, "train.adaptive_batch.min_global_batch_size", a.min_global_batch_size, "must be >= 1",
+           f"use e.g. {t.global_batch_size} (the starting batch)")
+    _check(a.max_global_batch_size >= lo, "train.adaptive_batch.max_global_batch_size", a.max_global_batch_size,
+           f"is below the smallest batch the run may train with ({lo})",
+           f"use a maximum of at least {lo}, e.g. {8 * lo}")
+    _check(lo <= t.global_batch_size <= a.max_global_batch_size, "train.global_batch_size", t.global_batch_size,
+           f"the starting batch is outside train.adaptive_batch's range [{lo}, {a.max_global_batch_size}]",
+           "start within the range, or widen it")
+    cls = strategies.engine_class(spec.strategy.name, spec.strategy.options)
+    layout = spec.layout
+    _check(cls.measures_noise_scale(spec.strategy.options, t, layout), "train.adaptive_batch",
+           dataclasses.asdict(a), f"{spec.strategy.name} on {spec.scaling.num_workers} workers does not measure the "
+           "gradient noise scale the decision needs (it needs two data-parallel replicas or more, or gradient "
+           "accumulation for zero, without fp16 loss scaling; pipedream never measures it)",
+           "use ddp, fsdp, zero-N, megatron or a pipeline with 2 data-parallel replicas or more, or remove "
+           "train.adaptive_batch")
+    shapes = cls.batch_layout(t, layout)
+    for field_, value in (("max_global_batch_size", a.max_global_batch_size), ("min_global_batch_size", lo)):
+        if shapes.shape(value) is None:
+            step = shapes.replicas * (shapes.fixed_rows or shapes.unit)
+            raise ConfigError(f"train.adaptive_batch.{field_}", value,
+                              f"{spec.strategy.name} on {spec.scaling.num_workers} workers cannot cut it: a batch "
+                              f"is a multiple of {step} rows ({shapes.replicas} data-parallel replicas"
+                              + (f" x {shapes.fixed_rows} rows per accumulation step, which its pipeline schedule "
+                                 "keeps" if shapes.fixed_rows else "") + ")",
+                              f"use a multiple of {step}, e.g. {max(step, value // step * step)}")
 
 
 def _validate_elastic(spec: ExperimentSpec) -> None:

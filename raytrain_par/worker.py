@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -31,11 +31,13 @@ from . import checkpoints, models, strategies
 from .config import ExperimentSpec
 from .data.loader import MemoryLoader, StreamLoader, eval_batches
 from .data.shards import DatasetInfo
-from .metrics import flops
+from .metrics import adaptive, flops
+from .metrics.throughput import Probe, fit_strategy
 from .metrics.records import RecordWriter, merge, progress_line
 from .metrics.timeline import profiled_step, warm_up_profiler
 from .strategies import DistContext, Engine
 from .strategies.context import DTYPES
+from .strategies.optim import lr_factor
 from .strategies import state as one_format
 from .saving import Save
 
@@ -54,6 +56,21 @@ class LoopState:
     checkpoint_time_s: float = 0.0
     evals: int = 0
     target_met: bool = False
+    # Steps of the starting batch the learning-rate schedule and the run's length count (`step` for a
+    # fixed batch; an adaptive run's step at batch M advances it by its lr_scale, metrics/adaptive.py).
+    progress: float = 0.0
+    # The gradient noise scale's running averages (metrics/goodput.py NoiseScale.state)
+    noise: dict | None = None
+    # -- an adaptive batch (train.adaptive_batch): what it trains with now and what decided it
+    global_batch_size: int | None = None
+    accumulation: int | None = None
+    rows_in_epoch: int = 0
+    lr_scale: float = 1.0
+    workers: int | None = None  # the worker count of the decision (an elastic resize decides again)
+    # timed intervals, [workers, rows per replica, accumulation steps, seconds per step]: replayed by a
+    # resumed run, never measured again
+    probes: list = field(default_factory=list)
+    choice: dict | None = None  # the latest decision (metrics/adaptive.py Choice)
 
 
 class Reporter:
@@ -113,9 +130,21 @@ class Trainer:
         self.flops_per_step = flops.model_flops_per_step(spec.model, info, spec.train.global_batch_size)
         self.peak_tflops, self.peak_source, self.probe_tflops = flops.peak(ctx.device, DTYPES[spec.train.precision])
         self.comm_fraction: float | None = None  # of the latest profiled step
+        self.train_loader = train_loader
         self.loader = train_loader(self.engine)
         assert self.loader.steps_per_epoch == steps_per_epoch(spec, info)
         self.state = LoopState()
+        self.adaptive = spec.train.adaptive_batch
+        self.resized = False  # the batch changed at the latest evaluation: the epoch goes on at the new one
+        if self.adaptive is not None:
+            self.lr_factor = lr_factor(spec.train, self.total_steps)
+            lo = self.adaptive.min_global_batch_size or spec.train.global_batch_size
+            self.shapes = type(self.engine).batch_layout(spec.train, self.engine.layout).shapes(
+                lo, self.adaptive.max_global_batch_size)
+            self.state.global_batch_size = spec.train.global_batch_size
+            self.state.accumulation = spec.train.gradient_accumulation_steps
+            self.state.workers = ctx.world_size
+            self.last_lr: float | None = None
         self.resumed_from: int | None = None
         self.records: list[dict] = []
         self.writing: Save | None = None  # the latest checkpoint, maybe still being written
@@ -128,20 +157,25 @@ class Trainer:
                 self._load(directory)
                 self.resumed_from = self.state.step
                 self.log(f"resumed from {directory} at step {self.state.step}")
+        if self.adaptive is not None:
+            self._resume_batch()
         spec, state = self.spec, self.state
         self.startup_s = time.perf_counter() - self.t_setup
         self.started_at = time.time()
         t_begin = time.perf_counter() - state.elapsed_s
         if state.step == 0 and spec.train.eval_at_start and state.evals == 0:
             self._evaluate_and_report(train_loss=None, interval_s=0.0, interval_steps=0, t_begin=t_begin)
-        every, steps_per_epoch = spec.train.eval_every_steps, self.loader.steps_per_epoch
+        every = spec.train.eval_every_steps
         # The loss stays on the device until an evaluation: reading it every step would make the
         # host wait for the device every step (on GPUs, a stall of its own).
         running, steps_in_interval, t_interval = torch.zeros((), device=self.engine.device), 0, time.perf_counter()
         stop, start_step = False, state.step
-        while state.step < self.total_steps and not stop:
-            for batch in self.loader.epoch(state.epoch, state.step_in_epoch):
+        while not self._finished() and not stop:
+            for batch in self._epoch():
                 self.engine.measure_memory = self._measures_memory(state.step, start_step)
+                if self.adaptive is not None:
+                    self.last_lr = spec.train.lr * self.lr_factor(state.progress) * state.lr_scale
+                    self.engine.set_lr(self.last_lr)
                 if self._profiles(state.step, start_step):
                     with profiled_step(self.engine.device) as sample:
                         loss = self.engine.train_step(batch)
@@ -152,12 +186,14 @@ class Trainer:
                 steps_in_interval += 1
                 state.step += 1
                 state.step_in_epoch += 1
-                state.samples_seen += spec.train.global_batch_size
-                epoch_done = state.step_in_epoch == steps_per_epoch
+                state.samples_seen += self.loader.global_batch
+                state.rows_in_epoch += self.loader.global_batch
+                before, state.progress = state.progress, state.progress + state.lr_scale
+                epoch_done = self._epoch_ends(0)
                 if epoch_done:
-                    state.epoch, state.step_in_epoch = state.epoch + 1, 0
-                last = state.step >= self.total_steps
-                if last or (every and state.step % every == 0) or (every is None and epoch_done):
+                    state.epoch, state.step_in_epoch, state.rows_in_epoch = state.epoch + 1, 0, 0
+                last = self._finished()
+                if last or (every and state.progress // every > before // every) or (every is None and epoch_done):
                     local_mean = (running / steps_in_interval).cpu()  # waits for the device's last step
                     interval_s = time.perf_counter() - t_interval
                     state.wall_time_s += interval_s
@@ -165,7 +201,8 @@ class Trainer:
                     stop = self._evaluate_and_report(train_loss, interval_s, steps_in_interval, t_begin, last)
                     running = torch.zeros((), device=self.engine.device)
                     steps_in_interval, t_interval = 0, time.perf_counter()
-                if epoch_done or last or stop:
+                if epoch_done or last or stop or self.resized:
+                    self.resized = False
                     break
         if self.writing is not None:
             self.writing.wait()
@@ -182,12 +219,34 @@ class Trainer:
         the measurement; it costs a census of every tensor and the allocator's statistics."""
         if step - start_step < self.MEASURED_FIRST_STEPS:
             return True
-        nxt, every = step + 1, self.spec.train.eval_every_steps
+        now, every = self.state.progress, self.spec.train.eval_every_steps
+        nxt = now + self.state.lr_scale
         if nxt >= self.total_steps:
             return True
         if every:
-            return nxt % every == 0
-        return (self.state.step_in_epoch + 1) == self.loader.steps_per_epoch
+            return nxt // every > now // every
+        return self._epoch_ends(1)
+
+    # -- where the run stands: steps of a fixed batch, progress and rows of an adaptive one ------------
+    def _finished(self) -> bool:
+        """The run's length is in steps of the starting batch (`progress`: the step count, at a fixed batch)."""
+        return self.state.progress >= self.total_steps
+
+    def _epoch(self):
+        if self.adaptive is None:
+            return self.loader.epoch(self.state.epoch, self.state.step_in_epoch)
+        return self.loader.epoch(self.state.epoch, start_row=self.state.rows_in_epoch)
+
+    def _epoch_ends(self, after: int) -> bool:
+        """Whether the epoch has no rows left for a step after `after` more steps at the current batch."""
+        if self.adaptive is None:
+            return self.state.step_in_epoch + after == self.loader.steps_per_epoch
+        return self.state.rows_in_epoch + (after + 1) * self.loader.global_batch > self.loader.n
+
+    def _epoch_fraction(self) -> float:
+        if self.adaptive is None:
+            return self.state.step / self.loader.steps_per_epoch
+        return self.state.epoch + self.state.rows_in_epoch / self.loader.n
 
     #: steps between two profiled steps (see `_profiles`)
     PROFILE_EVERY = 100
@@ -218,17 +277,20 @@ class Trainer:
         record = {
             "experiment": spec.name, "trial": self.trial, "strategy": spec.strategy.name,
             "num_workers": spec.scaling.num_workers, **self.engine.layout.columns(),
-            "global_batch_size": spec.train.global_batch_size,
-            "epoch": state.step / self.loader.steps_per_epoch, "step": state.step, "samples_seen": state.samples_seen,
+            "global_batch_size": self.loader.global_batch, "gradient_accumulation_steps": self.engine.train.gradient_accumulation_steps,
+            "epoch": self._epoch_fraction(), "step": state.step, "progress": state.progress, "samples_seen": state.samples_seen,
             "wall_time_s": state.wall_time_s, "startup_s": self.startup_s, "train_loss": train_loss,
             "val_loss": val["val_loss"], "val_perplexity": val.get("val_perplexity"),
-            "val_accuracy": val.get("val_accuracy"), "lr": self.engine.lr,
-            "throughput": interval_steps * spec.train.global_batch_size / interval_s if interval_s else None,
+            "val_accuracy": val.get("val_accuracy"),
+            "lr": self.engine.lr if self.adaptive is None or self.last_lr is None else self.last_lr,
+            "throughput": interval_steps * self.loader.global_batch / interval_s if interval_s else None,
             "step_time_s": interval_s / interval_steps if interval_steps else None,
             "eval_time_s": state.eval_time_s, "target_met": met, **self._utilisation(interval_s, interval_steps),
             "timestamp": time.time(), "started_at": self.started_at, "resumed_from_step": self.resumed_from,
             **self.engine.memory(), **self.engine.statistics(),
         }
+        if self.adaptive is not None:
+            record.update(self._adapt(interval_s, interval_steps, last or stop))
         save = None
         every = spec.train.checkpoint_every_evals
         if every and state.step > 0 and (state.evals % every == 0 or last or stop):
@@ -245,6 +307,84 @@ class Trainer:
                 state.checkpoint_time_s += save.write_s or 0.0
                 shutil.rmtree(save.directory, ignore_errors=True)
         return stop
+
+    # -- an adaptive batch (train.adaptive_batch, metrics/adaptive.py) ----------------------------------
+    def _adapt(self, interval_s: float, interval_steps: int, final: bool) -> dict:
+        """At an evaluation: the interval's step time joins the run's timings, and every `every_evals`
+        evaluations the batch of greatest goodput is chosen for the next interval. Returns the record's
+        columns: what the interval trained with and what was decided."""
+        state, a = self.state, self.adaptive
+        trained = {"lr_scale": state.lr_scale, "batch_decision": None, "next_global_batch_size": None}
+        if interval_steps:
+            state.probes.append([self.ctx.world_size, self.loader.global_batch // self.engine.dp_size,
+                                 self.engine.train.gradient_accumulation_steps,
+                                 self._seconds_per_step(interval_s, interval_steps)])
+        step_time = self._step_time_model()
+        noise = self.engine.noise.value()
+        now = adaptive.Shape(self.loader.global_batch, self.engine.train.gradient_accumulation_steps)
+        trained["statistical_efficiency"] = adaptive.efficiency(noise, now.batch, self.spec.train.global_batch_size)
+        trained["predicted_goodput"] = (None if step_time is None
+                                        else now.batch / step_time(now) * trained["statistical_efficiency"])
+        if not final and state.evals % a.every_evals == 0:
+            choice = self._choose(step_time)
+            trained["batch_decision"], trained["next_global_batch_size"] = choice.reason, choice.batch
+        return trained
+
+    def _seconds_per_step(self, interval_s: float, interval_steps: int) -> float:
+        """The interval's seconds per step, the same figure on every rank (the slowest's), so that every
+        rank decides alike."""
+        step_s = interval_s / interval_steps
+        if self.ctx.world_size > 1:
+            t = torch.tensor([step_s], dtype=torch.float64, device=self.engine.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            step_s = float(t)
+        return step_s
+
+    def _step_time_model(self):
+        """Seconds per step of a shape, fitted to this run's timings on its current worker count
+        (metrics/throughput.py); None until two batch sizes have been timed."""
+        world, dp = self.ctx.world_size, self.engine.dp_size
+        probes = [Probe("run", w, rows, t, acc) for w, rows, acc, t in self.state.probes if w == world]
+        try:
+            model = fit_strategy(probes)
+        except (ValueError, IndexError):
+            return None
+        return lambda shape: model.step_time(world, shape.batch // dp, shape.accumulation)
+
+    def _choose(self, step_time) -> adaptive.Choice:
+        state = self.state
+        choice = adaptive.decide(self.shapes, self.spec.train.global_batch_size, state.global_batch_size,
+                                 self.engine.noise.value(), self.adaptive.lr_scaling, step_time)
+        state.choice, state.lr_scale = choice.as_dict(), choice.lr_scale
+        if (choice.batch, choice.accumulation) != (state.global_batch_size, state.accumulation):
+            self.log(f"step {state.step}: global batch {state.global_batch_size} -> {choice.batch}"
+                     f" ({choice.accumulation} accumulation steps, lr x {choice.lr_scale:.3g}, {choice.reason})")
+            self._resize(adaptive.Shape(choice.batch, choice.accumulation))
+        return choice
+
+    def _resize(self, shape: adaptive.Shape) -> None:
+        state = self.state
+        state.global_batch_size, state.accumulation = shape.batch, shape.accumulation
+        self.engine.resize_batch(shape)
+        self.loader = self.train_loader(self.engine, shape.batch)
+        self.flops_per_step = flops.model_flops_per_step(self.spec.model, self.info, shape.batch)
+        self.resized = True
+
+    def _resume_batch(self) -> None:
+        """The batch the checkpoint's last decision chose; on another worker count (an elastic resize), the
+        decision taken again for the new one, from the timings made on it (Pollux's co-adaptation)."""
+        state = self.state
+        if state.global_batch_size is None:  # a checkpoint of a run at a fixed batch: this file's start
+            state.global_batch_size = self.spec.train.global_batch_size
+            state.accumulation = self.spec.train.gradient_accumulation_steps
+        shape = adaptive.Shape(state.global_batch_size, state.accumulation)
+        if state.workers != self.ctx.world_size or self.shapes and shape not in self.shapes:
+            state.workers = self.ctx.world_size
+            self._choose(self._step_time_model())
+        elif (shape.batch, shape.accumulation) != (self.spec.train.global_batch_size,
+                                                   self.spec.train.gradient_accumulation_steps):
+            self._resize(shape)
+        self.resized = False
 
     def _utilisation(self, interval_s: float, interval_steps: int) -> dict:
         """Model FLOPs per step, what this worker achieved of them over the interval, its peak and
@@ -292,6 +432,7 @@ class Trainer:
         return rng
 
     def _loop_state(self) -> str:
+        self.state.noise = self.engine.noise.state()
         return json.dumps({"state": asdict(self.state), "experiment": self.spec.to_dict(),
                            "data": self.info.to_json(), "format": 1}, indent=1)
 
@@ -305,7 +446,13 @@ class Trainer:
 
     def _load(self, directory: Path) -> None:
         meta = json.loads((directory / "loop.json").read_text())
-        self.state = LoopState(**meta["state"])
+        saved = meta["state"]
+        self.state = LoopState(**saved)
+        if "progress" not in saved:  # written before progress was kept: a fixed batch's steps
+            self.state.progress = float(self.state.step)
+            self.state.rows_in_epoch = self.state.step_in_epoch * self.spec.train.global_batch_size
+        if self.state.noise is not None and self.engine.measures_noise:
+            self.engine.noise.load_state(self.state.noise, self.engine.device)
         one_format.load(self.engine, directory)
         rng_file = directory / f"rng-rank{self.ctx.rank}.pt"
         if not rng_file.exists():  # a worker the run did not have before: streams start equal on every rank
@@ -388,8 +535,9 @@ def steps_per_epoch(spec: ExperimentSpec, info: DatasetInfo) -> int:
 
 def memory_train_loader(spec: ExperimentSpec, arrays: dict[str, torch.Tensor]):
     """Loader factory for the in-memory loader: this rank's slice of each seeded global batch."""
-    def make(engine: Engine) -> MemoryLoader:
-        return MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
+    def make(engine: Engine, global_batch: int | None = None) -> MemoryLoader:
+        return MemoryLoader(arrays, global_batch or spec.train.global_batch_size, engine.dp_rank, engine.dp_size,
+                            spec.train.seed)
     return make
 
 
@@ -511,9 +659,10 @@ def train_loop_per_worker(config: dict) -> None:
     if spec.data.effective_loader == "memory":
         train_loader = memory_train_loader(spec, _read_shard("train", info))
     else:
-        def train_loader(engine: Engine) -> StreamLoader:
-            return StreamLoader(info.train_path, functools.partial(decode, info), spec.train.global_batch_size,
-                                engine.dp_rank, engine.dp_size, spec.train.seed)
+        def train_loader(engine: Engine, global_batch: int | None = None) -> StreamLoader:
+            return StreamLoader(info.train_path, functools.partial(decode, info),
+                                global_batch or spec.train.global_batch_size, engine.dp_rank, engine.dp_size,
+                                spec.train.seed)
 
     log = print if ctx.rank == 0 else (lambda *_: None)
     trainer = Trainer(spec, info, ctx, RayReporter(log), train_loader, val, trial=config.get("trial", "run"),

@@ -3,12 +3,18 @@ force on a toy problem, and the decision rule against hand-made step times and n
 (metrics/adaptive.py)."""
 
 import itertools
+import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
+from engines import KJV, experiment, loop
+from raytrain_par.local_group import run_ranks
 from raytrain_par.metrics import adaptive
+from raytrain_par.metrics.records import read_records
 from raytrain_par.metrics.adaptive import Layout, Shape, decide
 
 
@@ -113,3 +119,187 @@ def test_the_decision_before_two_batches_are_timed():
     assert decide(shapes, 8, 48, 500.0, "adascale", None).batch == 64  # within the largest allowed
     # noise below the batch: doubling would waste a third of its rows or more
     assert decide(shapes, 8, 16, 10.0, "adascale", None).batch == 16
+
+
+# -- adaptive runs through the worker's own loop, in plain gloo process groups ------------------------
+
+def _timed(seconds):
+    """The interval step times a run decides on, replaced by `seconds(rows per replica, accumulation)`: the
+    decisions, which follow measured times, are the test's to fix (a resumed run must replay them)."""
+    from raytrain_par.worker import Trainer
+
+    def fake(self, interval_s, interval_steps):
+        return seconds(self.loader.global_batch // self.engine.dp_size, self.engine.train.gradient_accumulation_steps)
+
+    Trainer._seconds_per_step = fake
+
+
+def _step_time(rows, accumulation):
+    """0.2 s a step and 0.01 s a row: with the measured noise scale the best batch is well above the start."""
+    return 0.2 + 0.01 * rows
+
+
+def _adaptive_spec(strategy="ddp", steps=16, batch=8, workers=2, **adaptive_batch):
+    spec = experiment("gpt2-tiny", KJV, strategy=strategy, workers=workers, batch=batch, steps=steps, eval_every_steps=2,
+                      checkpoint_every_evals=1, eval_at_start=False, lr_schedule="cosine", warmup_steps=2,
+                      adaptive_batch={"max_global_batch_size": 64, **adaptive_batch})
+    spec["data"]["max_val_samples"] = 16
+    return spec
+
+
+def _adaptive_run(rank, world, spec_dict, info_dict, root, resume=False):
+    _timed(_step_time)
+    return loop(spec_dict, info_dict, root, resume=resume)
+
+
+def _resume_runs(rank, world, info_dict, tmp):
+    """An uninterrupted adaptive ddp run; its copy cut back to its third checkpoint, resumed; zero-2 and
+    fsdp under the same decisions."""
+    import torch.distributed as dist
+
+    tmp = Path(tmp)
+    out = {"ddp": _adaptive_run(rank, world, _adaptive_spec(), info_dict, tmp / "ddp")}
+    if rank == 0:
+        shutil.copytree(tmp / "ddp", tmp / "resumed")
+        for late in sorted((tmp / "resumed").glob("checkpoint_*"))[3:]:
+            shutil.rmtree(late)
+    dist.barrier()
+    out["resumed"] = _adaptive_run(rank, world, _adaptive_spec(), info_dict, tmp / "resumed", resume=True)
+    for name in ("zero-2", "fsdp"):
+        out[name] = _adaptive_run(rank, world, _adaptive_spec(name), info_dict, tmp / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adaptive_runs(info, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("adaptive")
+    return run_ranks(2, _resume_runs, info(**KJV), str(tmp))[0], tmp
+
+
+def _trained(records):
+    return [(r["step"], r["global_batch_size"], r["gradient_accumulation_steps"], r["lr"], r["train_loss"],
+             r["val_loss"], r["next_global_batch_size"]) for r in records]
+
+
+def test_an_adaptive_run_grows_its_batch_to_the_goodput_optimum(adaptive_runs):
+    out, tmp = adaptive_runs
+    records = out["ddp"]
+    batches = [r["global_batch_size"] for r in records]
+    # the first decision explores (doubles: one batch size timed), the next fits 0.2 s + 0.01 s a row per
+    # replica and the measured noise scale phi: M* = sqrt(0.2 phi / 0.005) (about 20 rows for phi ~ 10)
+    assert batches[:3] == [8, 16, 20] and records[0]["batch_decision"] == "explore"
+    for r in records[1:-1]:
+        phi = r["grad_noise_scale"]
+        best = math.sqrt(0.2 * phi / 0.005)
+        assert abs(r["next_global_batch_size"] - best) <= 2, (r["step"], phi)
+    # the schedule runs on progress: each step of M advances it by its lr_scale (AdaScale's gain)
+    assert records[-1]["progress"] >= 16 > records[-2]["progress"]
+    assert records[-1]["step"] < 16  # fewer, larger steps than the 16 steps of 8 rows
+    for r in records:
+        assert 1 <= r["lr_scale"] <= r["global_batch_size"] / 8
+        assert r["samples_seen"] == sum(x["global_batch_size"] * (x["step"] - p["step"])
+                                        for p, x in zip([{"step": 0}] + records, records) if x["step"] <= r["step"])
+    trained = read_records(tmp / "ddp" / "metrics.parquet")
+    assert [r["global_batch_size"] for r in trained] == batches  # as written to metrics.parquet
+
+
+def test_a_resumed_adaptive_run_equals_the_uninterrupted_one(adaptive_runs):
+    out, tmp = adaptive_runs
+    resumed, whole = out["resumed"], out["ddp"]
+    first = resumed[0]["resumed_from_step"]
+    assert first == 5  # after two decisions changed the batch (8 -> 16 at step 2, 16 -> 20 at step 4)
+    after = [r for r in whole if r["step"] > first]
+    # the same steps, batches, rates, losses and decisions, to the bit; so the noise scale, which AdaScale's
+    # rate follows (DDP's buckets, built again after a restarted process's first step, do not change its sum:
+    # Engine.add_parameter_squares)
+    assert _trained(resumed) == _trained(after)
+    assert [r["grad_noise_scale"] for r in resumed] == [r["grad_noise_scale"] for r in after]
+    # the checkpoint holds what the decisions were made from: the timed intervals and the latest choice
+    loop_state = json.loads((sorted((tmp / "resumed").glob("checkpoint_*"))[2] / "loop.json").read_text())["state"]
+    assert [p[1:3] for p in loop_state["probes"]] == [[4, 1], [8, 1], [10, 1]]
+    assert loop_state["global_batch_size"] == 20 and loop_state["choice"]["batch"] == 20
+
+
+@pytest.mark.parametrize("name", ["zero-2", "fsdp"])
+def test_every_data_parallel_strategy_adapts_alike(adaptive_runs, name):
+    out, _ = adaptive_runs
+    theirs, ddp = out[name], out["ddp"]
+    assert [t[:3] + t[6:] for t in _trained(theirs)] == [t[:3] + t[6:] for t in _trained(ddp)]
+    for a, b in zip(theirs, ddp):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        # each engine sums the squares of the noise scale in its own order
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-4)
+
+
+FOUR = {"pipeline": {"name": "pipeline", "stages": 2, "microbatches": 2},
+        "megatron": {"name": "megatron", "tensor_parallel": 2}}
+
+
+def _four_rank_runs(rank, world, info_dict, tmp):
+    return {name: _adaptive_run(rank, world, _adaptive_spec(strategy, workers=4), info_dict, Path(tmp) / name)
+            for name, strategy in FOUR.items()}
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(info, tmp_path_factory):
+    return run_ranks(4, _four_rank_runs, info(**KJV), str(tmp_path_factory.mktemp("adaptive4")))[0]
+
+
+def test_a_pipeline_adapts_by_accumulating_its_schedule(four_rank_runs, adaptive_runs):
+    """P2 x D2, 2 micro-batches of 2 rows per replica: the schedule keeps its 4 rows a replica and step, so
+    a batch is a multiple of 8 and grows by running the schedule several times (accumulation)."""
+    pipe, ddp = four_rank_runs["pipeline"], adaptive_runs[0]["ddp"]
+    assert [(r["global_batch_size"], r["gradient_accumulation_steps"]) for r in pipe[:3]] == [(8, 1), (16, 2), (24, 3)]
+    assert all(r["global_batch_size"] == 8 * r["gradient_accumulation_steps"] for r in pipe)
+    # the best multiple of 8 near the optimum (about 20 rows)
+    assert {r["next_global_batch_size"] for r in pipe[2:-1]} == {24}
+    for a, b in zip(pipe[:2], ddp[:2]):  # the same batches as ddp's so far: the same losses
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+
+
+def test_megatron_tensor_by_data_adapts_as_ddp(four_rank_runs, adaptive_runs):
+    meg, ddp = four_rank_runs["megatron"], adaptive_runs[0]["ddp"]
+    assert [t[:3] + t[6:] for t in _trained(meg)] == [t[:3] + t[6:] for t in _trained(ddp)]
+    for a, b in zip(meg, ddp):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+
+
+# -- bad input, refused before anything starts -----------------------------------------------------
+
+from raytrain_par import config  # noqa: E402
+from raytrain_par.errors import ConfigError  # noqa: E402
+
+
+@pytest.mark.parametrize("strategy, workers, adaptive_batch, field, words", [
+    ("ddp", 2, {"max_global_batch_size": 64, "min_global_batch_size": 128}, "max_global_batch_size",
+     "below the smallest batch the run may train with (128)"),
+    ("ddp", 2, {"max_global_batch_size": 65}, "max_global_batch_size", "a multiple of 2 rows"),
+    ("ddp", 2, {"max_global_batch_size": 64, "min_global_batch_size": 3}, "min_global_batch_size", "e.g. 2"),
+    ("ddp", 2, {"max_global_batch_size": 8, "min_global_batch_size": 8}, "global_batch_size",
+     "outside train.adaptive_batch's range [8, 8]"),
+    ("ddp", 2, {"max_global_batch_size": 64, "every_evals": 0}, "every_evals", "must be >= 1"),
+    ("ddp", 2, {"max_global_batch_size": 64, "lr_scaling": "cubic"}, "lr_scaling", "not one of 'adascale', 'sqrt', 'linear'"),
+    ({"name": "pipeline", "stages": 2, "microbatches": 2}, 4, {"max_global_batch_size": 36}, "max_global_batch_size",
+     "a multiple of 16 rows (2 data-parallel replicas x 8 rows per accumulation step, which its pipeline"),
+    ({"name": "pipedream", "stages": 2}, 2, {"max_global_batch_size": 64}, "adaptive_batch",
+     "pipedream never measures it"),
+    ("ddp", 1, {"max_global_batch_size": 64}, "adaptive_batch", "does not measure the gradient noise scale"),
+    ({"name": "megatron", "tensor_parallel": 2}, 2, {"max_global_batch_size": 64}, "adaptive_batch",
+     "it needs two data-parallel replicas or more"),
+])
+def test_bad_adaptive_batch_is_refused_before_start(strategy, workers, adaptive_batch, field, words):
+    spec = {"name": "a", "model": {"name": "gpt2-tiny"}, "data": KJV,
+            "strategy": strategy if isinstance(strategy, dict) else {"name": strategy},
+            "scaling": {"num_workers": workers},
+            "train": {"global_batch_size": 16, "max_steps": 10, "adaptive_batch": adaptive_batch}}
+    with pytest.raises(ConfigError) as err:
+        config.parse(spec)
+    assert err.value.field.startswith("train.") and err.value.field.endswith(field)
+    assert words in str(err.value)
+
+
+def test_an_adaptive_batch_round_trips():
+    spec = config.parse({"name": "a", "model": {"name": "gpt2-tiny"}, "data": KJV, "scaling": {"num_workers": 2},
+                         "train": {"global_batch_size": 16, "adaptive_batch": {"max_global_batch_size": 64}}})
+    assert spec.train.adaptive_batch == config.AdaptiveBatchSpec(64, None, "adascale", 1)
+    assert config.from_dict(spec.to_dict()) == spec

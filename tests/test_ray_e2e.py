@@ -44,3 +44,21 @@ def test_vgg_fashion_trains_and_exports(ray_cluster, tmp_path):
         logits, labels = task.outputs(model.eval(), batch)
     accuracy = float((logits.argmax(-1) == labels).float().mean())
     assert accuracy == pytest.approx(records[-1]["val_accuracy"], abs=0.01)
+
+
+def test_an_adaptive_batch_grows_in_ray_train_workers(ray_cluster, tmp_path):
+    """The quickstart with `train.adaptive_batch` on short rows (whose noise scale is above the starting
+    batch from the first steps): the batch explores, then follows the measured step times; each record
+    trains at the batch the evaluation before it decided, and the run ends at its progress."""
+    spec, records = _run(experiment_file("quickstart.yaml"), tmp_path,
+                         "data={name: kjv, seq_len: 32, vocab_size: 512, max_val_samples: 32}",
+                         "train.global_batch_size=8", "train.max_steps=12", "train.eval_every_steps=3",
+                         "train.warmup_steps=2", "train.adaptive_batch={max_global_batch_size: 64}")
+    assert records[0]["step"] == 0 and records[0]["batch_decision"] == "start"
+    assert records[1]["batch_decision"] == "explore" and records[1]["next_global_batch_size"] == 16
+    for before, r in zip(records, records[1:]):
+        if before["next_global_batch_size"] is not None:
+            assert r["global_batch_size"] == before["next_global_batch_size"]
+        assert r["samples_seen"] - before["samples_seen"] == r["global_batch_size"] * (r["step"] - before["step"])
+    assert records[-1]["progress"] >= 12 and records[-1]["step"] < 12
+    assert all(r["predicted_goodput"] for r in records[3:])  # two batch sizes timed from the third on

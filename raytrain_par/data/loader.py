@@ -45,10 +45,13 @@ class MemoryLoader:
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         return torch.randperm(self.n, generator=g)
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    def epoch(self, epoch: int, start_step: int = 0, start_row: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """The epoch's batches from step `start_step`, or from its row `start_row` (a run whose batch
+        changed: the rows before it were trained on at other batch sizes)."""
         perm = self.order(epoch)
-        for step in range(start_step, self.steps_per_epoch):
-            idx = perm[step * self.global_batch + self.offset: step * self.global_batch + self.offset + self.local]
+        first = start_step * self.global_batch if start_row is None else start_row
+        for begin in range(first, self.n - self.global_batch + 1, self.global_batch):
+            idx = perm[begin + self.offset: begin + self.offset + self.local]
             yield {k: v[idx] for k, v in self.arrays.items()}
 
 
@@ -102,16 +105,18 @@ class StreamLoader:
         g = torch.Generator().manual_seed(_seed(self.seed, epoch, w))
         return table.take(pa.array(torch.randperm(len(table), generator=g).numpy()))
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-        batches = (self.decode(rows) for rows in self._rows(epoch, start_step))
+    def epoch(self, epoch: int, start_step: int = 0, start_row: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """As MemoryLoader.epoch."""
+        first = start_step * self.global_batch if start_row is None else start_row
+        batches = (self.decode(rows) for rows in self._rows(epoch, first))
         return _ahead(batches) if self.prefetch else batches
 
-    def _rows(self, epoch: int, start_step: int) -> Iterator[dict]:
-        """This replica's stored rows of each step, undecoded."""
+    def _rows(self, epoch: int, first: int) -> Iterator[dict]:
+        """This replica's stored rows of each step from the epoch's row `first` (those before it were
+        trained on already), undecoded."""
         import pyarrow as pa
 
-        first = start_step * self.global_batch  # the epoch's rows before it were trained on already
-        pending, held, step, end = [], 0, start_step, 0
+        pending, held, at, end = [], 0, first, 0
         for w, shards in enumerate(self.windows(epoch)):
             begin, end = end, end + sum(self.rows[i] for i in shards)  # the window's rows in the epoch
             if end <= first:  # wholly before the resumed step: not read
@@ -121,12 +126,12 @@ class StreamLoader:
                 table = table.slice(first - begin)
             pending.append(table)
             held += len(table)
-            while held >= self.global_batch and step < self.steps_per_epoch:
+            while held >= self.global_batch and at + self.global_batch <= self.n:
                 rows = pa.concat_tables(pending)
                 batch = rows.slice(self.offset, self.local)
                 yield {name: batch.column(name).to_numpy(zero_copy_only=False) for name in batch.column_names}
-                pending, held, step = [rows.slice(self.global_batch)], held - self.global_batch, step + 1
-            if step >= self.steps_per_epoch:
+                pending, held, at = [rows.slice(self.global_batch)], held - self.global_batch, at + self.global_batch
+            if at + self.global_batch > self.n:
                 return
 
 

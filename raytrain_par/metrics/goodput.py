@@ -50,6 +50,17 @@ class NoiseScale:
         self.trace = trace.detach().double() if self.trace is None else a * self.trace + (1 - a) * trace.double()
         self.samples += 1
 
+    def state(self) -> dict | None:
+        """The running averages, as numbers (a checkpoint's loop state); None before any step."""
+        if self.squared_norm is None:
+            return None
+        return {"squared_norm": float(self.squared_norm), "trace": float(self.trace), "samples": self.samples}
+
+    def load_state(self, state: dict, device: torch.device) -> None:
+        self.squared_norm = torch.tensor(state["squared_norm"], dtype=torch.float64, device=device)
+        self.trace = torch.tensor(state["trace"], dtype=torch.float64, device=device)
+        self.samples = int(state["samples"])
+
     def value(self) -> float | None:
         """B_simple in rows (samples), or None before any step or while |G|^2 is not yet positive.
         (The averages start at the first sample rather than at zero, so they need no bias correction.)"""

@@ -21,7 +21,8 @@ from ..tables import text_table
 # adds) and the hardware-efficiency figures of PER_WORKER are per worker, reduced by max.
 COLUMNS = [
     "experiment", "trial", "strategy", "num_workers", "pipeline_parallel", "tensor_parallel", "data_parallel",
-    "data_parallel_sharding", "global_batch_size", "epoch", "step", "samples_seen",
+    "data_parallel_sharding", "global_batch_size", "gradient_accumulation_steps", "epoch", "step", "progress",
+    "samples_seen",
     "wall_time_s", "elapsed_s", "startup_s", "train_loss", "val_loss", "val_perplexity", "val_accuracy", "lr",
     "throughput", "step_time_s", "eval_time_s", "checkpoint_time_s",
     "checkpoint_stall_s", "checkpoint_wait_s", "checkpoint_write_s", "target_met", "timestamp", "started_at",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..metrics import adaptive
 from ..metrics.goodput import NoiseScale
 from ..metrics.memory import (Sharding, StateBytes, allocated_bytes, model_state_census, model_state_theory,
                               optimizer_state_bytes, peak_bytes, storage_bytes)
@@ -148,6 +150,28 @@ class Engine(ABC):
                 self.clip_grads(self.global_grad_norm(squares), self.train.grad_clip)
         self.optimizer_step(self.step_optimizer)
         return self.end_step(total)
+
+    # -- the global batch of an adaptive run (metrics/adaptive.py) -----------------------------------
+    @classmethod
+    def batch_layout(cls, train, layout: Layout, max_rows: int | None = None) -> adaptive.Layout:
+        """Which global batches this engine can train with under `layout`: any that splits over the
+        data-parallel replicas, its rows per replica in accumulation steps of at most `max_rows`; a
+        pipeline keeps the rows of one accumulation step its schedule was built for (the stages' buffers
+        have that shape) and changes how many it accumulates."""
+        if layout.pipeline > 1:
+            rows = train.global_batch_size // layout.data // train.gradient_accumulation_steps
+            return adaptive.Layout(layout.data, fixed_rows=rows)
+        return adaptive.Layout(layout.data, max_rows=max_rows)
+
+    def resize_batch(self, shape: adaptive.Shape) -> None:
+        """Train the following steps with `shape.batch` rows a step, in `shape.accumulation` steps each."""
+        self.train = replace(self.train, global_batch_size=shape.batch, gradient_accumulation_steps=shape.accumulation)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next step (an adaptive run sets it before every step; the engine's
+        own schedule, which steps after it, is overridden)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def begin_step(self) -> None:
         """Before a step's first forward pass (an engine's per-step counters)."""
@@ -397,9 +421,25 @@ class Engine(ABC):
         engine sees before it is reduced: another data-parallel replica's, or a micro-batch's."""
         return False
 
-    def _start_noise(self) -> None:
+    def _start_noise(self, slots: Iterable[nn.Parameter] | None = None) -> None:
+        """`slots`: every parameter whose squares `add_parameter_squares` will add, in a fixed order."""
         self.measures_noise = True
         self._local_sq = torch.zeros(2, device=self.device)
+        if slots is not None:
+            self._slot = {p: i for i, p in enumerate(slots)}
+            self._param_sq = torch.zeros(2, len(self._slot), device=self.device)
+
+    def add_parameter_squares(self, params: list[nn.Parameter], grads: list[torch.Tensor],
+                              replicated: bool = False) -> None:
+        """As `add_local_squares`, each parameter's squares kept apart and summed in the order of `slots`
+        at the step's end: so the sum does not depend on how the gradients were grouped when they came.
+        (DDP builds its buckets again after a process's first step, in the order gradients arrived; sums
+        of bucket-sized parts would differ in their last bits between a run and its resumed copy, and an
+        adaptive batch's learning rate follows the noise scale.)"""
+        if params:
+            squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]) ** 2
+            index = torch.tensor([self._slot[p] for p in params], device=self.device)
+            self._param_sq[int(replicated)].index_add_(0, index, squares.to(self._param_sq))
 
     def add_local_squares(self, grads: list[torch.Tensor], replicated: bool = False) -> None:
         """Add the squared norm of gradients not yet reduced (`replicated`: the same on every rank of
@@ -429,6 +469,9 @@ class Engine(ABC):
         `reduced`: the squared norm of the reduced gradient, or, with `copies`, this rank's part of
         it as [own, replicated over the tensor-parallel group] squares, each held by `copies`
         data-parallel ranks (the replicas where it is replicated, 1 where it is sharded)."""
+        if getattr(self, "_param_sq", None) is not None:
+            self._local_sq += self._param_sq.sum(1)
+            self._param_sq.zero_()
         if copies is None:
             parts = torch.cat([self._local_sq, torch.zeros_like(self._local_sq)])
         else:

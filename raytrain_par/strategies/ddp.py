@@ -46,9 +46,8 @@ def _norm_then_allreduce(engine: "DDPEngine", bucket):
     default all-reduce (mean over workers)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    flat = bucket.buffer()
-    if flat.is_floating_point():
-        engine.add_local_squares([flat])
+    if bucket.buffer().is_floating_point():
+        engine.add_parameter_squares(bucket.parameters(), bucket.gradients())
     return allreduce_hook(None, bucket)
 
 
@@ -83,9 +82,9 @@ class DDPEngine(Engine):
                 static_graph=options.static_graph,
             )
             # Each worker's own gradient is in the buckets just before they are all-reduced: the
-            # gradient noise scale takes its squared norm there (no copy, one scalar per bucket).
+            # gradient noise scale takes its squared norm there (no copy, one scalar per parameter).
             if self.measures_noise_scale(options, train, self.layout):
-                self._start_noise()
+                self._start_noise(self.model.parameters())
                 self.module.register_comm_hook(self, _norm_then_allreduce)
         else:
             self.module = self.model

@@ -147,9 +147,10 @@ def _count_ddp_allreduce(engine: "MegatronEngine", bucket):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     if engine.measures_noise:
-        grads = list(zip(bucket.parameters(), bucket.gradients()))
-        engine.add_local_squares([g for p, g in grads if engine.names[p] in engine.splits])
-        engine.add_local_squares([g for p, g in grads if engine.names[p] not in engine.splits], replicated=True)
+        for replicated in (False, True):
+            own = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
+                   if (engine.names[p] not in engine.splits) == replicated]
+            engine.add_parameter_squares([p for p, _ in own], [g for _, g in own], replicated=replicated)
     engine.dp_bytes += bucket.buffer().numel() * bucket.buffer().element_size()
     return allreduce_hook(engine.dp_group, bucket)
 
@@ -200,7 +201,7 @@ class MegatronEngine(SplitState, Engine):
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 process_group=self.dp_group, bucket_cap_mb=options.bucket_cap_mb, gradient_as_bucket_view=True)
             if self.measures_noise_scale(options, train, self.layout):
-                self._start_noise()
+                self._start_noise(self.model.parameters())
             self.module.register_comm_hook(self, _count_ddp_allreduce)
         else:
             self.module = self.model

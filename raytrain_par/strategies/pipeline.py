@@ -271,11 +271,10 @@ class PipelineEngine(Engine):
         # Each microbatch's loss is divided by all microbatches of the step (scale_grads=False): the
         # gradients then sum to the mean over the step's rows, also across gradient-accumulation chunks
         # (scale_grads=True would divide what earlier chunks accumulated once more).
-        scale = self.microbatches * train.gradient_accumulation_steps
-
+        # (self.train's accumulation: an adaptive run changes it between steps)
         def loss_fn(logits, labels):
             with self.busy():
-                return self.stage_loss(logits, labels) / scale
+                return self.stage_loss(logits, labels) / (self.microbatches * self.train.gradient_accumulation_steps)
 
         stages = [_TimedStage(module, s, self.pipe.S, self.device, group=self.pipe.pp_group, busy=self.busy)
                   for s, module in self.pipe.modules.items()]

@@ -329,6 +329,15 @@ class ZeroEngine(Engine):
     def autocast(self):
         return contextlib.nullcontext()  # parameters are already 16-bit (DeepSpeed casts the model)
 
+    def resize_batch(self, shape):
+        """DeepSpeed's engine counts micro-batches to the accumulation boundary and scales each loss by
+        their number: its micro-batch size first, then the global batch (which sets the accumulation)."""
+        super().resize_batch(shape)
+        self.module.set_train_micro_batch_size(shape.rows_per_micro_batch(self.dp_size))
+        self.module.set_train_batch_size(shape.batch)
+        # the boundary falls where micro_steps + 1 is a multiple of the accumulation steps
+        self.module.micro_steps = self.module.global_steps * shape.accumulation
+
     def prepare(self, batch):
         out = self.task.prepare(batch, self.device)
         return {k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in out.items()}
