@@ -46,19 +46,27 @@ def write_page(name: str, title: str, body: str, out: str | None = None, verdict
         i, j = _target_block(text, name)
         line = (f"- [{title}](docs/{name}.md): {verdict} ({machine_device(made['machine'])}, {made['date'][:10]}, "
                 f"commit `{made['commit']}`)")
-        README.write_text(f"{text[:i]}\n{line}\n{text[j:]}")
+        if i == j:  # its first verdict: a block of its own
+            line = f"<!-- target {name} -->\n{line}\n<!-- /target -->"
+            README.write_text(f"{text[:i]}\n{line}{text[j:]}")
+        else:
+            README.write_text(f"{text[:i]}\n{line}\n{text[j:]}")
     return page
 
 
 def _target_block(text: str, name: str) -> tuple[int, int]:
-    """Where README.md's block for `name` starts (after its opening mark) and ends (at its closing mark)."""
+    """Where README.md's block for `name` starts (after its opening mark) and ends (at its closing mark);
+    a benchmark's first verdict goes after the last block there is (an empty range)."""
     start, end = f"<!-- target {name} -->", "<!-- /target -->"
     i = text.find(start)
     j = text.find(end, i) if i >= 0 else -1
-    if j < 0:
-        raise SystemExit(f"README.md has no `{start}` ... `{end}` block for this benchmark's verdict line; "
+    if j >= 0:
+        return i + len(start), j
+    last = text.rfind(end)
+    if last < 0:
+        raise SystemExit(f"README.md has no `<!-- target NAME -->` ... `{end}` block for benchmark verdicts; "
                          f"fix: add one under '## Targets', or write the page elsewhere with --page")
-    return i + len(start), j
+    return last + len(end), last + len(end)
 
 
 def check_readme_target(name: str, out: str | None) -> None:

@@ -56,9 +56,21 @@ def test_a_page_written_elsewhere_leaves_the_readme(common, tmp_path):
     assert (tmp_path / "README.md").read_text() == README and (tmp_path / "elsewhere.md").exists()
 
 
-def test_a_readme_without_the_block_is_refused_before_the_benchmark_runs(common, tmp_path):
-    (tmp_path / "README.md").write_text(README.replace("<!-- target speed -->\n", ""))
-    with pytest.raises(SystemExit, match=r"README.md has no `<!-- target speed -->` .* fix: add one under '## Targets'"):
+def test_a_first_verdict_gets_a_block_after_the_others(common, tmp_path):
+    (tmp_path / "README.md").write_text(README)
+    made = {"date": "2026-12-02 08:00 UTC", "commit": "1234567", "machine": {"cpu_count": 2}, "command": "python b.py"}
+    common.check_readme_target("new", None)
+    for ratio in ("0.5", "0.7"):
+        common.write_page("new", "New", "body", verdict=f"ratio {ratio}: **NOT met**", made=made)
+    assert (tmp_path / "README.md").read_text() == README.replace(
+        "kept (2 CPU cores, 2026-01-01, commit `abc`)\n<!-- /target -->\n",
+        "kept (2 CPU cores, 2026-01-01, commit `abc`)\n<!-- /target -->\n<!-- target new -->\n- [New](docs/new.md): "
+        "ratio 0.7: **NOT met** (2 CPU cores, 2026-12-02, commit `1234567`)\n<!-- /target -->\n")
+
+
+def test_a_readme_without_target_blocks_is_refused_before_the_benchmark_runs(common, tmp_path):
+    (tmp_path / "README.md").write_text("# x\n\n## Targets\n\n## Documentation\n")
+    with pytest.raises(SystemExit, match=r"README.md has no `<!-- target NAME -->` .* fix: add one under '## Targets'"):
         common.check_readme_target("speed", None)
     common.check_readme_target("speed", str(tmp_path / "page.md"))  # a page elsewhere writes no README line
 
