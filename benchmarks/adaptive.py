@@ -25,36 +25,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path.cwd()))  # run from the repository's root, as every benchmark (benchmarks/common.py)
 
 from raytrain_par import data  # noqa: E402
-from raytrain_par.config import from_dict, load_experiment  # noqa: E402
-from raytrain_par.data.shards import DatasetInfo, read_split  # noqa: E402
+from raytrain_par.config import load_experiment  # noqa: E402
 from raytrain_par.local_group import run_ranks  # noqa: E402
 from raytrain_par.metrics.efficiency import crossing  # noqa: E402
-from raytrain_par.strategies import DistContext  # noqa: E402
 
 from common import (DOCS, REPO, check_readme_target, markdown_table, print_table, provenance,  # noqa: E402
-                    write_json, write_page)
+                    train_loop, write_json, write_page)
 
 MODELS = {"gpt2-tiny": "model={name: gpt2-tiny, dropout: 0.0}", "gpt2-mini": "model={name: gpt2-mini, dropout: 0.0}"}
 FIXED = [8, 16, 32, 64, 128]
 START, LARGEST, BASE_LR_BATCH = 8, 128, 16
 ROWS_PER_EVAL, WARMUP_ROWS, MAX_ROWS = 320, 160, 40_000
 TARGET_RATIO = 0.9
-
-
-def _loop(rank, world, spec_dict, info_dict, root):
-    from raytrain_par.worker import LocalReporter, Trainer, memory_train_loader
-
-    spec, info = from_dict(spec_dict), DatasetInfo.from_json(info_dict)
-    ctx = DistContext.current(torch.device("cpu"))
-    reporter = LocalReporter(root, ctx.rank, ctx.world_size, log=lambda *_: None)
-    trainer = Trainer(spec, info, ctx, reporter, memory_train_loader(spec, read_split(info, info.train_path)),
-                      read_split(info, info.val_path), log=print if ctx.rank == 0 else (lambda *_: None))
-    return trainer.run()
 
 
 def cases() -> dict[str, list[str]]:
@@ -81,7 +66,7 @@ def measure(model: str, name: str, overrides: list[str], work: Path) -> dict:
     info = data.prepare(spec.data, log=lambda *_: None)
     root = work / f"{model}-{name}".replace(" ", "_").replace("(", "").replace(")", "")
     try:
-        records = run_ranks(2, _loop, spec.to_dict(), info.to_json(), str(root), timeout=3600)[0]
+        records = run_ranks(2, train_loop, spec.to_dict(), info.to_json(), str(root), True, timeout=3600)[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     t = spec.target
@@ -138,8 +123,9 @@ def main() -> None:
             for name, overrides in cases().items():
                 rows.append(measure(model, name, overrides, Path(work)))
                 r = rows[-1]
-                print(f"{model} {name}: {_f(r['time_to_target_s'], '.1f')} s to target, "
-                      f"{_f(r['samples_to_target'], '.0f')} rows", flush=True)
+                reached = (f"{r['time_to_target_s']:.1f} s and {r['samples_to_target']:.0f} rows to the target"
+                           if r["time_to_target_s"] is not None else f"target not reached in {r['steps']} steps")
+                print(f"{model} {name}: {reached}", flush=True)
     table, ratios = [], {}
     for model in a.models.split(","):
         mine = [r for r in rows if r["model"] == model]

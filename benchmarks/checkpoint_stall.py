@@ -23,18 +23,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path.cwd()))  # run from the repository's root, as every benchmark (benchmarks/common.py)
 
 from raytrain_par import data, models  # noqa: E402
-from raytrain_par.config import from_dict, load_experiment  # noqa: E402
-from raytrain_par.data.shards import DatasetInfo, read_split  # noqa: E402
+from raytrain_par.config import load_experiment  # noqa: E402
 from raytrain_par.local_group import run_ranks  # noqa: E402
-from raytrain_par.strategies import DistContext  # noqa: E402
 
-from common import (REPO, check_readme_target, markdown_table, print_table, provenance, write_json,  # noqa: E402
-                    write_page)
+from common import (REPO, check_readme_target, markdown_table, print_table, provenance, train_loop,  # noqa: E402
+                    write_json, write_page)
 
 MODELS = {
     "quickstart": [],
@@ -46,17 +42,6 @@ COMMON = ["scaling.num_workers=2", "train.global_batch_size=2", "train.max_steps
           "train.eval_at_start=false", "train.checkpoint_every_evals=1", "train.warmup_steps=0",
           "train.lr_schedule=constant", "data.max_val_samples=8"]
 TARGET = 0.10
-
-
-def _loop(rank, world, spec_dict, info_dict, root):
-    from raytrain_par.worker import LocalReporter, Trainer, memory_train_loader
-
-    spec, info = from_dict(spec_dict), DatasetInfo.from_json(info_dict)
-    ctx = DistContext.current(torch.device("cpu"))
-    reporter = LocalReporter(root, ctx.rank, ctx.world_size, log=lambda *_: None)
-    trainer = Trainer(spec, info, ctx, reporter, memory_train_loader(spec, read_split(info, info.train_path)),
-                      read_split(info, info.val_path), log=lambda *_: None)
-    return trainer.run()
 
 
 def _median(records, key):
@@ -71,7 +56,7 @@ def measure(model: str, strategy: str, mode: str, work: Path) -> dict:
     params = sum(p.numel() for p in models.build(spec.model, info, 0)[0].parameters())
     root = work / f"{model}-{strategy}-{mode}".replace(" ", "_").replace("=", "")
     try:
-        records = run_ranks(2, _loop, spec.to_dict(), info.to_json(), str(root))[0]
+        records = run_ranks(2, train_loop, spec.to_dict(), info.to_json(), str(root))[0]
         sizes = sum(f.stat().st_size for f in sorted(root.glob("checkpoint_*"))[-1].iterdir())
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -22,6 +22,26 @@ from raytrain_par.tables import markdown_table, text_table  # noqa: E402,F401
 from raytrain_par.provenance import write_page as provenance_page  # noqa: E402
 
 
+def train_loop(rank: int, world: int, spec_dict: dict, info_dict: dict, root: str, verbose: bool = False) -> list[dict]:
+    """The worker's training loop (worker.Trainer) on one rank of a process group (local_group.run_ranks),
+    checkpoints through LocalReporter into `root` as Ray Train's workers write theirs; returns its records.
+    `verbose`: rank 0 prints what the loop says (a resume, a change of batch)."""
+    import torch
+
+    from raytrain_par.config import from_dict
+    from raytrain_par.data.shards import DatasetInfo, read_split
+    from raytrain_par.strategies import DistContext
+    from raytrain_par.worker import LocalReporter, Trainer, memory_train_loader
+
+    spec, info = from_dict(spec_dict), DatasetInfo.from_json(info_dict)
+    ctx = DistContext.current(torch.device("cpu"))
+    reporter = LocalReporter(root, ctx.rank, ctx.world_size, log=lambda *_: None)
+    log = print if verbose and ctx.rank == 0 else (lambda *_: None)
+    trainer = Trainer(spec, info, ctx, reporter, memory_train_loader(spec, read_split(info, info.train_path)),
+                      read_split(info, info.val_path), log=log)
+    return trainer.run()
+
+
 def write_json(name: str, payload: dict, out: str | None = None, made: dict | None = None) -> Path:
     path = Path(out) if out else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -182,6 +182,10 @@ class AdaptiveBatchSpec:
     # runs on progress (steps of the starting batch M0), each step advancing it by the same factor
     lr_scaling: Literal["adascale", "sqrt", "linear"] = "adascale"
     every_evals: int = 1  # evaluations between two decisions
+    # The most rows one data-parallel replica computes at once (one accumulation step); more are
+    # accumulated. Default: on GPUs, what `raytrain-par estimate` says fits in the device's memory; no
+    # limit on CPUs. (A pipeline keeps the micro-batch shape its schedule was built for.)
+    max_micro_batch_rows: Optional[int] = None
 
 
 @dataclass
@@ -595,7 +599,15 @@ def _validate_adaptive(spec: ExperimentSpec) -> None:
            "accumulation for zero, without fp16 loss scaling; pipedream never measures it)",
            "use ddp, fsdp, zero-N, megatron or a pipeline with 2 data-parallel replicas or more, or remove "
            "train.adaptive_batch")
-    shapes = cls.batch_layout(t, layout)
+    if a.max_micro_batch_rows is not None:
+        _check(layout.pipeline == 1, "train.adaptive_batch.max_micro_batch_rows", a.max_micro_batch_rows,
+               "a pipeline keeps the rows of one accumulation step its schedule was built for, and accumulates more",
+               "remove it")
+        start = spec.per_worker_batch // t.gradient_accumulation_steps
+        _check(a.max_micro_batch_rows >= start, "train.adaptive_batch.max_micro_batch_rows", a.max_micro_batch_rows,
+               f"the starting batch already computes {start} rows at once per replica",
+               f"use at least {start}, or raise train.gradient_accumulation_steps")
+    shapes = cls.batch_layout(t, layout, a.max_micro_batch_rows)
     for field_, value in (("max_global_batch_size", a.max_global_batch_size), ("min_global_batch_size", lo)):
         if shapes.shape(value) is None:
             step = shapes.replicas * (shapes.fixed_rows or shapes.unit)

@@ -242,6 +242,24 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
     return rows
 
 
+#: share of a device's memory the model states, activations and gathered units may take: the rest is
+#: left to the CUDA context, the allocator's fragmentation and communication buffers
+HEADROOM = 0.85
+
+
+def rows_that_fit(spec: config.ExperimentSpec, device_memory: int) -> int | None:
+    """The most rows one data-parallel replica of `spec` can compute at once (one accumulation step) within
+    HEADROOM of `device_memory`: the model states and gathered units it holds whatever the rows, and the
+    activations, which grow in proportion to the rows (estimated at the experiment's own). None where
+    `estimate` cannot say."""
+    row = estimate(spec, [spec.strategy.name], [spec.scaling.num_workers])[0]
+    micro = spec.per_worker_batch // spec.train.gradient_accumulation_steps
+    if row.note or not row.activations:
+        return None
+    free = HEADROOM * device_memory - (row.expected - row.offloaded) - row.gathered
+    return max(1, int(free // (row.activations / micro)))
+
+
 # Settings a strategy may refuse that change nothing it holds in memory: a row is estimated with the
 # default instead, and says so (pipedream clips no gradient, but would hold the same bytes).
 MEMORY_NEUTRAL = ("train.grad_clip",)

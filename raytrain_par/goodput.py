@@ -18,7 +18,10 @@ measured apart:
   (On CPUs the time per row changes with the batch and with the workers sharing a socket, which a
   model linear in the batch misses: measured where it can be, modelled where it must.)
 
-Predicted time to target = S(M) x step time. Memory per worker comes from `raytrain-par estimate`.
+Predicted time to target = S(M) x step time. A point with `train.adaptive_batch` is predicted interval by
+interval of the reference: over each, the batch its decision would pick from that interval's noise scale
+and the step-time model (metrics/adaptive.py), and the steps S_min,i (1 + B_i / M_i) it would take there.
+Memory per worker comes from `raytrain-par estimate`.
 Writes <output_dir>/<name>/plan.parquet (one row per point, ranked) and the reference's records and
 probes under <output_dir>/<name>/plan/.
 
@@ -35,7 +38,7 @@ import math
 import pickle
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import ray.train
@@ -47,6 +50,7 @@ from . import estimate
 from .config import ExperimentSpec, parse
 from .driver import make_trainer, preflight, ray_cluster, run_experiment
 from .errors import ConfigError, UserError, say
+from .metrics import adaptive
 from .metrics.efficiency import crossing
 from .metrics.goodput import Reference, fit_reference
 from .metrics.records import write_table
@@ -82,7 +86,7 @@ def reference_spec(spec: ExperimentSpec) -> tuple[ExperimentSpec, str | None]:
 
     raw = spec.to_dict()
     raw.update(sweep=None, name="reference", output_dir=str(spec.results_dir / "plan"))
-    raw["train"].update(stop_at_target=True, eval_at_start=True)
+    raw["train"].update(stop_at_target=True, eval_at_start=True, adaptive_batch=None)  # at the file's batch
     note = None
     if not engine_class(spec.strategy.name, spec.strategy.options).measures_noise_scale(spec.strategy.options, spec.train, spec.layout):
         workers = max(2, spec.scaling.num_workers)
@@ -171,17 +175,31 @@ def predict(p: Plan, reference: Reference, model: ThroughputModel, device_memory
     for point in p.points:
         s = p.trial_spec(point)  # with the sweep's lr_scaling, as the trial will run
         m = s.train.global_batch_size
-        steps = reference.steps_to_target(m)
         at = (strategy_key(s), s.scaling.num_workers, s.per_worker_batch, s.train.gradient_accumulation_steps)
-        step_time = probed[at] if at in probed else model.step_time(*at)
+
+        def seconds(shape: adaptive.Shape, s=s) -> float:
+            key = (strategy_key(s), s.scaling.num_workers, shape.batch // s.layout.data, shape.accumulation)
+            return probed[key] if key in probed else model.step_time(*key)
+
+        batches = None
+        if s.train.adaptive_batch is None:
+            steps = reference.steps_to_target(m)
+            step_time = seconds(adaptive.Shape(m, s.train.gradient_accumulation_steps))
+            efficiency = reference.efficiency(m)
+        else:
+            steps, total, batches = _adaptive_prediction(s, reference, seconds)
+            step_time, efficiency = total / steps, reference.steps * reference.batch / sum(
+                n * b for n, b in batches)
         memory = _memory_bytes(s)
         rows.append({
             "trial": describe(point), "overrides": json.dumps(point), "strategy": s.strategy.name,
             "num_workers": s.scaling.num_workers, "global_batch_size": m, "per_worker_batch": s.per_worker_batch,
-            "lr": s.train.lr, "statistical_efficiency": reference.efficiency(m),
+            "lr": s.train.lr, "statistical_efficiency": efficiency,
             "predicted_steps_to_target": steps, "predicted_step_time_s": step_time,
             "predicted_time_to_target_s": steps * step_time,
-            "step_time_probed": at in probed,
+            "predicted_batches": None if batches is None else " -> ".join(
+                str(b) for b in dict.fromkeys(b for _, b in batches)),
+            "step_time_probed": at in probed and batches is None,
             "memory_per_worker_bytes": memory,
             "fits": None if device_memory is None or memory is None else memory <= device_memory,
             "grad_noise_scale": reference.noise_scale, "reference_batch": reference.batch,
@@ -191,6 +209,44 @@ def predict(p: Plan, reference: Reference, model: ThroughputModel, device_memory
     for i, r in enumerate(rows):
         r["rank"] = i + 1
     return rows
+
+
+def _adaptive_prediction(s: ExperimentSpec, reference: Reference, seconds
+                         ) -> tuple[float, float, list[tuple[float, int]]]:
+    """An adaptive point's steps and seconds to the target, and its (steps, batch) over each interval of the
+    reference: the batch its decision picks from the interval's noise scale (the step times known, as once
+    the run has timed two batches), and the steps S_min,i (1 + B_i / M_i) that interval's progress takes."""
+    from .strategies import engine_class
+
+    a = s.train.adaptive_batch
+    shapes = engine_class(s.strategy.name, s.strategy.options).batch_layout(
+        s.train, s.layout, a.max_micro_batch_rows).shapes(a.min_global_batch_size or s.train.global_batch_size,
+                                                          a.max_global_batch_size)
+    steps = total = 0.0
+    batches = []
+    for s_min, noise in reference.intervals or [(reference.min_steps, reference.noise_scale)]:
+        c = adaptive.decide(shapes, s.train.global_batch_size, s.train.global_batch_size, noise, a.lr_scaling, seconds)
+        n = s_min * (1 + noise / c.batch)
+        steps, total = steps + n, total + n * seconds(adaptive.Shape(c.batch, c.accumulation))
+        batches.append((n, c.batch))
+    return steps, total, batches
+
+
+def adaptive_probes(s: ExperimentSpec) -> list[ExperimentSpec]:
+    """An adaptive point probed at its smallest and largest batch (as it would cut them), so that the
+    step-time model spans its range; a fixed point as it is."""
+    from .strategies import engine_class
+
+    a = s.train.adaptive_batch
+    if a is None:
+        return [s]
+    cut = engine_class(s.strategy.name, s.strategy.options).batch_layout(s.train, s.layout, a.max_micro_batch_rows)
+    out = []
+    for batch in (a.min_global_batch_size or s.train.global_batch_size, a.max_global_batch_size):
+        shape = cut.shape(batch)
+        out.append(replace(s, train=replace(s.train, global_batch_size=batch, adaptive_batch=None,
+                                            gradient_accumulation_steps=shape.accumulation)))
+    return out
 
 
 def _memory_bytes(s: ExperimentSpec) -> float | None:
@@ -220,6 +276,7 @@ def make_plan(spec: ExperimentSpec, address: str | None = None, device_memory: i
                      "one that suits each batch (set lr_scaling: sqrt or linear)")
     for n in notes:
         log(f"note: {n}")
+    specs = [probe for s in specs for probe in adaptive_probes(s)]
     biggest = max(specs + [ref], key=lambda s: s.scaling.num_workers)
     with ray_cluster(biggest, address, log=log):
         log(f"{spec.name}: reference run ({ref.strategy.name}, {ref.scaling.num_workers} workers, global batch "
@@ -251,7 +308,8 @@ def plan_table(rows: list[dict]) -> str:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
     head = ["#", "point", "strategy", "workers", "batch", "lr", "efficiency", "steps", "s/step", "to_target_s",
             "MiB/worker", "fits"]
-    body = [[str(r["rank"]), r["trial"], r["strategy"], str(r["num_workers"]), str(r["global_batch_size"]),
+    body = [[str(r["rank"]), r["trial"], r["strategy"], str(r["num_workers"]),
+             r.get("predicted_batches") or str(r["global_batch_size"]),
              f(r["lr"], ".3g"), f(r["statistical_efficiency"], ".3f"), f(r["predicted_steps_to_target"], ".1f"),
              f(r["predicted_step_time_s"], ".3f") + ("" if r["step_time_probed"] else "*"),
              f(r["predicted_time_to_target_s"], ".1f"),

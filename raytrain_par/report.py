@@ -8,6 +8,8 @@ Writes into RESULTS_DIR (or --out):
     mfu.png                     model FLOPs utilisation against worker count, beside it
     memory.png                  peak and model-state memory per worker against worker count
     predicted_vs_measured.png   (search: goodput) predicted against measured time to target per trial
+    adaptive_batch.png          (train.adaptive_batch) the global batch and the predicted goodput
+                                against wall time, one line per adaptive trial
     summary.md                  the ranking (time to target first) and the figures
 """
 
@@ -141,6 +143,24 @@ def _markdown_table(rows: list[dict], metric: str) -> str:
         r.get("status") or "completed"] for i, r in enumerate(rows)])
 
 
+def _adaptive(groups: dict[str, list[dict]], title: str, path: Path) -> None:
+    """The global batch each interval trained with, and the goodput predicted for it, against wall time."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    for name, rs in groups.items():
+        trained = [r for r in rs if r.get("step")]
+        top.step([r["wall_time_s"] for r in trained], [r["global_batch_size"] for r in trained], where="pre",
+                 marker="o", markersize=3, label=name)
+        pts = [(r["wall_time_s"], r["predicted_goodput"]) for r in trained if r.get("predicted_goodput") is not None]
+        if pts:
+            bottom.plot(*zip(*pts), marker="o", markersize=3, label=name)
+    top.set_yscale("log", base=2)
+    top.set_ylabel("global batch (rows)")
+    top.set_title(title, **({"fontsize": 10} if len(title) > 50 else {}))
+    top.grid(True, alpha=0.3, which="both")
+    top.legend(fontsize=8)
+    _finish(fig, bottom, "wall time of training (s)", "predicted goodput\n(rows of the starting batch / s)", "", path)
+
+
 def _predicted_vs_measured(rows: list[dict], title: str, path: Path) -> None:
     """Measured against predicted time to target, one point per trained trial, with the line where
     they are equal; points not trained are marked on the predicted axis."""
@@ -230,6 +250,10 @@ def write_report(results_dir: str | Path, out: str | Path | None = None) -> Repo
         files.append(out / "noise_scale.png")
         _convergence(groups, "grad_noise_scale", None, "step", "optimizer steps",
                      f"{name}: gradient noise scale (rows) during training", files[-1])
+    adaptive = {k: rs for k, rs in groups.items() if any(r.get("batch_decision") for r in rs)}
+    if adaptive:
+        files.append(out / "adaptive_batch.png")
+        _adaptive(adaptive, f"{name}: adaptive batch against wall time", files[-1])
     predicted = [r for r in rows if r.get("predicted_time_to_target_s") is not None]
     if predicted:
         files.append(out / "predicted_vs_measured.png")

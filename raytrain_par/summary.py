@@ -49,7 +49,13 @@ def run_summary(spec: ExperimentSpec) -> dict:
         "evaluations": None,
         "checkpoints": None,
         "keep_checkpoints": t.keep_checkpoints if t.checkpoint_every_evals else 0,
+        "adaptive_batch": None,
     }
+    if t.adaptive_batch is not None:
+        a = t.adaptive_batch
+        out["adaptive_batch"] = {"min": a.min_global_batch_size or t.global_batch_size,
+                                 "max": a.max_global_batch_size, "lr_scaling": a.lr_scaling,
+                                 "every_evals": a.every_evals}
     if steps is not None:
         out["evaluations"], out["checkpoints"] = _evaluations(spec, steps, per_epoch)
     return out
@@ -98,6 +104,11 @@ def lines(summary: dict, sweep: dict | None = None) -> list[str]:
            f"rows: global batch {s['global_batch_size']}, {s['rows_per_replica']} per replica and step, "
            f"{s['rows_per_microbatch']} per micro-batch" + (f" ({s['gradient_accumulation_steps']} accumulated)"
                                                            if s["gradient_accumulation_steps"] > 1 else "")]
+    a = s.get("adaptive_batch")
+    if a:
+        out.append(f"adaptive batch: from {s['global_batch_size']}, within [{a['min']}, {a['max']}], chosen every "
+                   f"{a['every_evals']} evaluation(s); lr scaled by {a['lr_scaling']}; steps below are of the "
+                   "starting batch (progress)")
     if s["steps"] is None:
         out.append("steps: depend on the size of the data set, which is not prepared yet "
                    "(`raytrain-par data FILE` prepares it)")

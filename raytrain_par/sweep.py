@@ -47,7 +47,7 @@ from .errors import ConfigError
 from .models import task_metrics
 
 SHORT = {"scaling.num_workers": "w", "train.global_batch_size": "b", "train.lr": "lr",
-         "strategy.name": "", "scaling.use_gpu": "gpu"}
+         "strategy.name": "", "scaling.use_gpu": "gpu", "train.adaptive_batch": "adaptive-"}
 
 
 @dataclass
@@ -146,7 +146,9 @@ def describe(overrides: dict) -> str:
     """A short readable name for a trial, e.g. 'w2-b64-zero-2'."""
     parts = []
     for path, value in overrides.items():
-        if isinstance(value, dict):
+        if path == "train.adaptive_batch":  # a point that adapts its batch against the fixed ones
+            value = "fixed" if value is None else value.get("max_global_batch_size")
+        elif isinstance(value, dict):
             value = "-".join(str(v) for v in value.values())
         elif isinstance(value, float):
             value = f"{value:.3g}"
@@ -268,7 +270,7 @@ def check_goodput(p: Plan, who: str) -> None:
         raise ConfigError("sweep.random", p.sweep.random, f"{who} predicts grid points; it samples nothing",
                           "move the values to sweep.grid as lists")
     batches = p.global_batches()
-    if len(batches) < 2:
+    if len(batches) < 2 and not any(p.trial_spec(pt).train.adaptive_batch for pt in p.points):
         raise ConfigError("sweep.grid.train.global_batch_size", batches,
                           f"{who} compares batch sizes and the search space has one",
                           "sweep two or more, e.g. `train.global_batch_size: [16, 32, 64]`")

@@ -139,7 +139,7 @@ class Trainer:
         if self.adaptive is not None:
             self.lr_factor = lr_factor(spec.train, self.total_steps)
             lo = self.adaptive.min_global_batch_size or spec.train.global_batch_size
-            self.shapes = type(self.engine).batch_layout(spec.train, self.engine.layout).shapes(
+            self.shapes = type(self.engine).batch_layout(spec.train, self.engine.layout, self._max_rows()).shapes(
                 lo, self.adaptive.max_global_batch_size)
             self.state.global_batch_size = spec.train.global_batch_size
             self.state.accumulation = spec.train.gradient_accumulation_steps
@@ -330,6 +330,19 @@ class Trainer:
             trained["batch_decision"], trained["next_global_batch_size"] = choice.reason, choice.batch
         return trained
 
+    def _max_rows(self) -> int | None:
+        """The most rows a replica computes at once: the experiment's limit, else, on a GPU, what the memory
+        estimate says fits in this device's memory (never fewer than the start); no limit on a CPU."""
+        if self.adaptive.max_micro_batch_rows is not None or self.ctx.device.type != "cuda":
+            return self.adaptive.max_micro_batch_rows
+        from .estimate import rows_that_fit
+
+        fits = rows_that_fit(self.spec, torch.cuda.get_device_properties(self.ctx.device).total_memory)
+        start = self.spec.per_worker_batch // self.spec.train.gradient_accumulation_steps
+        if fits is not None:
+            self.log(f"adaptive batch: at most {max(fits, start)} rows per replica at once (memory estimate)")
+        return None if fits is None else max(fits, start)
+
     def _seconds_per_step(self, interval_s: float, interval_steps: int) -> float:
         """The interval's seconds per step, the same figure on every rank (the slowest's), so that every
         rank decides alike."""
@@ -381,8 +394,9 @@ class Trainer:
         if state.workers != self.ctx.world_size or self.shapes and shape not in self.shapes:
             state.workers = self.ctx.world_size
             self._choose(self._step_time_model())
-        elif (shape.batch, shape.accumulation) != (self.spec.train.global_batch_size,
-                                                   self.spec.train.gradient_accumulation_steps):
+        # the engine and loader were built at the file's starting batch
+        shape = adaptive.Shape(state.global_batch_size, state.accumulation)
+        if (shape.batch, shape.accumulation) != (self.loader.global_batch, self.engine.train.gradient_accumulation_steps):
             self._resize(shape)
         self.resized = False
 

@@ -167,6 +167,9 @@ def _resume_runs(rank, world, info_dict, tmp):
     out["resumed"] = _adaptive_run(rank, world, _adaptive_spec(), info_dict, tmp / "resumed", resume=True)
     for name in ("zero-2", "fsdp"):
         out[name] = _adaptive_run(rank, world, _adaptive_spec(name), info_dict, tmp / name)
+    for name in ("ddp", "zero-2"):  # at most 4 rows a replica at once: larger batches accumulate
+        out[f"{name} capped"] = _adaptive_run(rank, world, _adaptive_spec(name, max_micro_batch_rows=4), info_dict,
+                                              tmp / f"{name}-capped")
     return out
 
 
@@ -231,18 +234,52 @@ def test_every_data_parallel_strategy_adapts_alike(adaptive_runs, name):
         assert a["lr"] == pytest.approx(b["lr"], rel=1e-4)
 
 
+@pytest.mark.parametrize("name", ["ddp", "zero-2"])
+def test_beyond_the_rows_that_fit_a_batch_accumulates(adaptive_runs, name):
+    """max_micro_batch_rows 4: batch 16 is 2 accumulation steps of 4 rows a replica; batch 20, 10 rows a
+    replica, the fewest equal steps of at most 4 rows (5 of 2). The decisions are those made without the
+    limit (the step times here do not depend on it), and so is the training, to rounding."""
+    capped, free = adaptive_runs[0][f"{name} capped"], adaptive_runs[0]["ddp"]
+    assert [(r["global_batch_size"], r["gradient_accumulation_steps"]) for r in capped[:3]] == [(8, 1), (16, 2), (20, 5)]
+    assert [t[:2] + t[6:] for t in _trained(capped)] == [t[:2] + t[6:] for t in _trained(free)]
+    # (zero-N takes the noise scale's small batch per micro-batch: other rows, so a slightly other rate)
+    for a, b in zip(capped, free):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+
+
+def test_the_report_plots_the_batch_and_goodput_against_wall_time(adaptive_runs):
+    from raytrain_par.report import write_report
+
+    _, tmp = adaptive_runs
+    files = write_report(tmp / "ddp", tmp / "report")
+    assert tmp / "report" / "adaptive_batch.png" in files
+    assert "adaptive_batch.png" in (tmp / "report" / "summary.md").read_text()
+
+
 FOUR = {"pipeline": {"name": "pipeline", "stages": 2, "microbatches": 2},
         "megatron": {"name": "megatron", "tensor_parallel": 2}}
 
 
-def _four_rank_runs(rank, world, info_dict, tmp):
-    return {name: _adaptive_run(rank, world, _adaptive_spec(strategy, workers=4), info_dict, Path(tmp) / name)
-            for name, strategy in FOUR.items()}
+def _four_rank_runs(rank, world, info_dict, tmp, two_rank_tmp):
+    import torch.distributed as dist
+
+    out = {name: _adaptive_run(rank, world, _adaptive_spec(strategy, workers=4), info_dict, Path(tmp) / name)
+           for name, strategy in FOUR.items()}
+    # the two-rank ddp run's third checkpoint (step 5, batch 20), resumed on four workers, as an elastic
+    # run's resize resumes it
+    if rank == 0:
+        shutil.copytree(Path(two_rank_tmp) / "ddp", Path(tmp) / "grown")
+        for late in sorted((Path(tmp) / "grown").glob("checkpoint_*"))[3:]:
+            shutil.rmtree(late)
+    dist.barrier()
+    out["grown"] = _adaptive_run(rank, world, _adaptive_spec(workers=4), info_dict, Path(tmp) / "grown", resume=True)
+    return out
 
 
 @pytest.fixture(scope="module")
-def four_rank_runs(info, tmp_path_factory):
-    return run_ranks(4, _four_rank_runs, info(**KJV), str(tmp_path_factory.mktemp("adaptive4")))[0]
+def four_rank_runs(info, tmp_path_factory, adaptive_runs):
+    return run_ranks(4, _four_rank_runs, info(**KJV), str(tmp_path_factory.mktemp("adaptive4")),
+                     str(adaptive_runs[1]))[0]
 
 
 def test_a_pipeline_adapts_by_accumulating_its_schedule(four_rank_runs, adaptive_runs):
@@ -286,6 +323,10 @@ from raytrain_par.errors import ConfigError  # noqa: E402
     ("ddp", 1, {"max_global_batch_size": 64}, "adaptive_batch", "does not measure the gradient noise scale"),
     ({"name": "megatron", "tensor_parallel": 2}, 2, {"max_global_batch_size": 64}, "adaptive_batch",
      "it needs two data-parallel replicas or more"),
+    ("ddp", 2, {"max_global_batch_size": 64, "max_micro_batch_rows": 4}, "max_micro_batch_rows",
+     "the starting batch already computes 8 rows at once per replica"),
+    ({"name": "pipeline", "stages": 2, "microbatches": 2}, 4, {"max_global_batch_size": 64, "max_micro_batch_rows": 8},
+     "max_micro_batch_rows", "a pipeline keeps the rows of one accumulation step"),
 ])
 def test_bad_adaptive_batch_is_refused_before_start(strategy, workers, adaptive_batch, field, words):
     spec = {"name": "a", "model": {"name": "gpt2-tiny"}, "data": KJV,
@@ -298,8 +339,85 @@ def test_bad_adaptive_batch_is_refused_before_start(strategy, workers, adaptive_
     assert words in str(err.value)
 
 
-def test_an_adaptive_batch_round_trips():
+def test_an_adaptive_batch_round_trips_and_check_says_it():
+    from raytrain_par.summary import lines, run_summary
+
     spec = config.parse({"name": "a", "model": {"name": "gpt2-tiny"}, "data": KJV, "scaling": {"num_workers": 2},
                          "train": {"global_batch_size": 16, "adaptive_batch": {"max_global_batch_size": 64}}})
-    assert spec.train.adaptive_batch == config.AdaptiveBatchSpec(64, None, "adascale", 1)
+    assert spec.train.adaptive_batch == config.AdaptiveBatchSpec(64, None, "adascale", 1, None)
     assert config.from_dict(spec.to_dict()) == spec
+    summary = run_summary(spec)
+    assert summary["adaptive_batch"] == {"min": 16, "max": 64, "lr_scaling": "adascale", "every_evals": 1}
+    assert ("# adaptive batch: from 16, within [16, 64], chosen every 1 evaluation(s); lr scaled by adascale; steps "
+            "below are of the starting batch (progress)") in lines(summary)
+
+
+# -- plan: an adaptive point against fixed ones ----------------------------------------------------
+
+def test_plan_predicts_an_adaptive_point_interval_by_interval():
+    """Step time 0.15 s + 0.005 s a row of the global batch (2 replicas); the reference's noise scale is 2
+    rows over its first 50 steps of S_min, 60 over its next 50. The adaptive point picks, per interval, the
+    batch of greatest goodput sqrt(a phi / b) within [8, 64]: 8 (sqrt(60) is below the minimum), then 42."""
+    from raytrain_par.goodput import predict, strategy_key
+    from raytrain_par.metrics.goodput import Reference
+    from raytrain_par.metrics.throughput import StepTimeModel, ThroughputModel
+    from raytrain_par.sweep import check_goodput, plan
+
+    spec = config.parse({"name": "g", "model": "gpt2-tiny", "data": {"name": "kjv", "seq_len": 32, "vocab_size": 512},
+                         "scaling": {"num_workers": 2}, "train": {"global_batch_size": 8, "max_steps": 10, "lr": 1e-3},
+                         "target": "val_loss <= 3.0",
+                         "sweep": {"grid": {"train.adaptive_batch": [None, {"max_global_batch_size": 64}]}}})
+    p = plan(spec)
+    check_goodput(p, "raytrain-par plan")  # one global batch, and a point that spans many
+    ref = Reference(batch=8, steps=50 * (1 + 2 / 8) + 50 * (1 + 60 / 8), min_steps=100.0, noise_scale=31.0,
+                    intervals=[(50.0, 2.0), (50.0, 60.0)])
+    model = ThroughputModel({strategy_key(p.trial_spec(p.points[0])): StepTimeModel(0.1, 0.01, 0.05, 0.0)})
+    rows = {r["trial"]: r for r in predict(p, ref, model)}
+    assert set(rows) == {"adaptive-fixed", "adaptive-64"}
+    fixed, adapt = rows["adaptive-fixed"], rows["adaptive-64"]
+    assert fixed["predicted_steps_to_target"] == pytest.approx(ref.steps)
+    steps = 50 * (1 + 2 / 8) + 50 * (1 + 60 / 42)
+    seconds = 50 * (1 + 2 / 8) * (0.15 + 0.005 * 8) + 50 * (1 + 60 / 42) * (0.15 + 0.005 * 42)
+    assert adapt["predicted_batches"] == "8 -> 42"
+    assert adapt["predicted_steps_to_target"] == pytest.approx(steps)
+    assert adapt["predicted_time_to_target_s"] == pytest.approx(seconds)
+    assert adapt["predicted_time_to_target_s"] < fixed["predicted_time_to_target_s"] and adapt["rank"] == 1
+    rows_to_target = 50 * (1 + 2 / 8) * 8 + 50 * (1 + 60 / 42) * 42
+    assert adapt["statistical_efficiency"] == pytest.approx(ref.steps * 8 / rows_to_target)
+
+
+def test_a_resize_decides_again_for_the_new_worker_count(four_rank_runs, adaptive_runs):
+    """Resumed on 4 workers from a 2-worker checkpoint at batch 20: the decision is taken again for 4, with
+    no step time measured on 4 yet and a noise scale (about 10) below the batch, so it keeps 20, which 4
+    replicas can cut; the training goes on as the 2-worker run's, to rounding."""
+    grown, two = four_rank_runs["grown"], adaptive_runs[0]["ddp"]
+    assert grown[0]["resumed_from_step"] == 5 and {r["num_workers"] for r in grown} == {4}
+    assert all(r["global_batch_size"] == 20 for r in grown)
+    assert {r["batch_decision"] for r in grown[:-1]} == {"start"}
+    for a, b in zip(grown, [r for r in two if r["step"] > 5]):
+        assert a["step"] == b["step"] and a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+
+
+def test_the_rows_that_fit_follow_the_memory_estimate():
+    """On a GPU the rows a replica computes at once are capped by what `estimate` says fits: states and
+    gathered units whatever the rows, activations in proportion to them, within HEADROOM of the memory."""
+    from raytrain_par import estimate
+
+    spec = config.parse({"name": "a", "model": {"name": "gpt2-tiny"}, "data": KJV, "strategy": {"name": "zero-3"},
+                         "scaling": {"num_workers": 2}, "train": {"global_batch_size": 16}})
+    row = estimate.estimate(spec, ["zero-3"], [2])[0]
+    fixed, per_row = row.expected - row.offloaded + row.gathered, row.activations / 8
+    for rows in (8, 40, 1000):
+        memory = (fixed + rows * per_row) / estimate.HEADROOM
+        assert estimate.rows_that_fit(spec, int(memory) + 1) == rows
+    assert estimate.rows_that_fit(spec, int(fixed)) == 1  # never below one row
+
+
+def test_the_progress_line_says_the_batch_decided():
+    from raytrain_par.metrics.records import progress_line
+
+    record = {"experiment": "e", "trial": "run", "step": 4, "epoch": 0.1, "wall_time_s": 1.0, "train_loss": 5.0,
+              "val_loss": 4.0, "throughput": 10.0, "mem_peak_bytes": 2**20, "mem_model_state_bytes": 2**20,
+              "global_batch_size": 16, "next_global_batch_size": 20}
+    assert "batch 16 -> 20" in progress_line(record)
+    assert "batch" not in progress_line({**record, "next_global_batch_size": None})

@@ -22,7 +22,7 @@ the loss as training computes it (its mean over the rows of a batch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,6 +82,9 @@ class Reference:
     steps: float
     min_steps: float
     noise_scale: float
+    # each interval between evaluations up to the target: (its S_min, the noise scale measured over it);
+    # an adaptive batch is predicted interval by interval (none: one interval of the averages)
+    intervals: list[tuple[float, float]] = field(default_factory=list)
 
     def steps_to_target(self, batch: int) -> float:
         """S = S_min (1 + B_noise / M): McCandlish et al., equation 2.11."""
@@ -112,6 +115,7 @@ def fit_reference(records: list[dict], metric: str, target: float, mode: str) ->
     for i in range(len(noise) - 2, -1, -1):
         noise[i] = noise[i] if noise[i] is not None else noise[i + 1]
     min_steps = weighted = 0.0
+    intervals = []
     for prev, r, b in zip(records, records[1:], noise[1:]):
         steps = min(r["step"], reached) - prev["step"]
         if steps <= 0:
@@ -121,6 +125,7 @@ def fit_reference(records: list[dict], metric: str, target: float, mode: str) ->
         s_min = steps / (1 + b / batch)
         min_steps += s_min
         weighted += b * s_min
+        intervals.append((s_min, b))
     if min_steps == 0:  # met before the first step: nothing to scale
         return Reference(batch, reached, reached, 0.0)
-    return Reference(batch, reached, min_steps, weighted / min_steps)
+    return Reference(batch, reached, min_steps, weighted / min_steps, intervals)

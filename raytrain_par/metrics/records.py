@@ -112,6 +112,8 @@ def progress_line(r: dict) -> str:
     return (f"[{r['experiment']}/{r['trial']}] step {r['step']:>6}  epoch {r['epoch']:.2f}  "
             f"wall {r['wall_time_s']:7.1f}s  {train}{_metric_text(r)}  "
             f"{r['throughput'] or 0:8.1f} samples/s" + (f"  MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else "")
+            + (f"  batch {r['global_batch_size']} -> {r['next_global_batch_size']}"
+               if r.get("next_global_batch_size") is not None else "")
             + f"  mem/worker {mib(r['mem_peak_bytes'])} MiB peak, {_states_text(r)}"
             + ("  [target met]" if r.get("target_met") else ""))
 
