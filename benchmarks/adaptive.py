@@ -154,7 +154,8 @@ def main() -> None:
     detail = []
     for r in rows:
         if r["run"].startswith("adaptive"):
-            steps = [f"{c['step']}: {c['global_batch_size']} (noise {_f(c['grad_noise_scale'], '.1f')})"
+            steps = [f"{c['step']}: {c['global_batch_size']}"
+                     + ("" if c["grad_noise_scale"] is None else f" (noise {c['grad_noise_scale']:.1f})")
                      for c in r["curve"]]
             detail.append(f"- {r['model']}, {r['run']}: " + "; ".join(steps))
     page = write_page("adaptive-results", "Adaptive batch against fixed batches", f"""
