@@ -428,6 +428,7 @@ class Engine(ABC):
         if slots is not None:
             self._slot = {p: i for i, p in enumerate(slots)}
             self._param_sq = torch.zeros(2, len(self._slot), device=self.device)
+            self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}  # per group of parameters, made once
 
     def add_parameter_squares(self, params: list[nn.Parameter], grads: list[torch.Tensor],
                               replicated: bool = False) -> None:
@@ -438,7 +439,10 @@ class Engine(ABC):
         adaptive batch's learning rate follows the noise scale.)"""
         if params:
             squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]) ** 2
-            index = torch.tensor([self._slot[p] for p in params], device=self.device)
+            slots = tuple(self._slot[p] for p in params)
+            index = self._slot_index.get(slots)
+            if index is None:  # (not copied to the device again every step)
+                index = self._slot_index[slots] = torch.tensor(slots, device=self.device)
             self._param_sq[int(replicated)].index_add_(0, index, squares.to(self._param_sq))
 
     def add_local_squares(self, grads: list[torch.Tensor], replicated: bool = False) -> None:
