@@ -170,7 +170,24 @@ def _resume_runs(rank, world, info_dict, tmp):
     for name in ("ddp", "zero-2"):  # at most 4 rows a replica at once: larger batches accumulate
         out[f"{name} capped"] = _adaptive_run(rank, world, _adaptive_spec(name, max_micro_batch_rows=4), info_dict,
                                               tmp / f"{name}-capped")
+    out["settling"] = _settling_run(info_dict, tmp / "settling")
     return out
+
+
+def _settling_run(info_dict, root):
+    """A run evaluating every 5 steps of progress, with the steps each decision's timing counted."""
+    from raytrain_par.worker import Trainer
+
+    counted = []
+
+    def fake(self, interval_s, interval_steps):
+        counted.append(interval_steps)
+        return _step_time(self.loader.global_batch // self.engine.dp_size, 1)
+
+    Trainer._seconds_per_step = fake
+    spec = _adaptive_spec(steps=20, lr_scaling="sqrt")
+    spec["train"]["eval_every_steps"] = 5
+    return {"records": loop(spec, info_dict, root), "counted": counted}
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +262,19 @@ def test_beyond_the_rows_that_fit_a_batch_accumulates(adaptive_runs, name):
     # (zero-N takes the noise scale's small batch per micro-batch: other rows, so a slightly other rate)
     for a, b in zip(capped, free):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+
+
+def test_the_first_steps_at_a_new_batch_are_not_timed(adaptive_runs):
+    """The step time a decision sees leaves out the first two steps of the run and of each new batch (they
+    allocate and warm caches); an interval of no more steps than that is timed whole."""
+    out, _ = adaptive_runs
+    records, counted = out["settling"]["records"], out["settling"]["counted"]
+    steps = [r["step"] - p["step"] for p, r in zip([{"step": 0}] + records, records)]
+    batches = [r["global_batch_size"] for r in records]
+    assert len(set(batches)) >= 3  # the batch changed at least twice
+    new = [True] + [a != b for a, b in zip(batches, batches[1:])]
+    expected = [n - 2 if fresh and n > 2 else n for n, fresh in zip(steps, new)]
+    assert counted == expected and any(n < s for n, s in zip(counted, steps)) and not all(new)
 
 
 def test_the_report_plots_the_batch_and_goodput_against_wall_time(adaptive_runs):
