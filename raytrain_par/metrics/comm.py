@@ -13,13 +13,20 @@ gathered output of an all-gather, the input of a reduce-scatter, the tensor sent
 that costs on a link (a ring moves 2 (n - 1) / n of an all-reduce's bytes per rank) is for whoever
 prices it.
 
-Predicted: `predicted_step` gives the same list from the layout, the model's parameters and how the
-engine groups them, for the layouts written so far (data parallel without sharding, and FSDP's).
+Predicted: `predicted_step` gives one rank's list from the layout, the plain model and the step's rows,
+dimension by dimension: the pipeline's point-to-point messages (from the stages' split and the
+schedule's microbatches), the tensor-parallel all-reduces of activations (from the family's plan),
+then the data-parallel reduction of the gradients this rank holds, and the scalars of the noise scale
+and of clipping's norm. tests/test_comm_counted.py checks predicted = counted for every layout at 2 and
+4 gloo ranks, in fp32; under 16-bit precision some activations and DeepSpeed's parameters travel in 16
+bits, which `Step.dtype_bytes` (one width for everything) does not yet tell apart.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -96,6 +103,19 @@ def totals(collectives: list[Collective]) -> dict[tuple[str, int], int]:
 
 #: the noise scale's one all-reduce of four fp32 scalars over every rank (strategies/base.py note_noise)
 NOISE_BYTES = 4 * 4
+#: one fp32 scalar: the step's loss broadcast from a pipeline's last stage, a squared norm summed over a group
+SCALAR_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one optimizer step trains, as far as its collectives depend on it."""
+
+    rows: int  # the global batch
+    accumulation: int = 1  # gradient-accumulation steps
+    dtype_bytes: int = 4  # of a parameter, its gradient and an activation (fp32)
+    measures_noise: bool = False  # the engine measures the gradient noise scale (Engine.measures_noise)
+    grad_clip: bool = False  # train.grad_clip > 0: the norm of the whole gradient is summed over groups
 
 
 def padded_elements(params: list[nn.Parameter], group: int) -> int:
@@ -108,34 +128,217 @@ def padded_elements(params: list[nn.Parameter], group: int) -> int:
     return total
 
 
-def predicted_step(layout, model: nn.Module, units: list[nn.Module] | None, dtype_bytes: int, world: int,
-                   measures_noise: bool, reshard_after_forward: bool = True) -> list[Collective]:
-    """The collectives of one training step (after the first, whose DDP bucket order is rebuilt) of a
-    data-parallel layout over `layout.data` replicas:
+def _elements(params) -> int:
+    return sum(p.numel() for p in params)
 
-    - sharding none (DDP): the gradients all-reduced once, every parameter once (buckets are a cut of
-      them, not a copy);
-    - sharding fsdp (FSDP2, `units` the modules sharded apart, the rest the root's): each unit's
-      parameters, padded, all-gathered for the forward pass and, where the unit reshards after it
-      (every unit but the root), again for the backward pass; its gradients reduce-scattered once;
 
-    and, where the engine measures the noise scale, one all-reduce of its four scalars over every rank."""
-    dp = layout.data
-    params = list(dict.fromkeys(model.parameters()))
-    out: list[Collective] = []
-    if layout.sharding == "none" and layout.tensor == layout.pipeline == 1:
-        if dp > 1:
-            out.append(Collective("all_reduce", sum(p.numel() for p in params) * dtype_bytes, dp))
-    elif layout.sharding == "fsdp" and layout.tensor == layout.pipeline == 1:
-        owned = {p for u in units for p in u.parameters()}
-        groups = [list(u.parameters()) for u in units] + [[p for p in params if p not in owned]]
-        for i, group in enumerate(groups):
-            size = padded_elements(group, dp) * dtype_bytes
-            root = i == len(groups) - 1
-            gathers = 1 if root or not reshard_after_forward else 2
-            out += [Collective("all_gather", size, dp)] * gathers + [Collective("reduce_scatter", size, dp)]
-    else:
-        raise NotImplementedError(f"no prediction yet for the layout {layout.describe()}")
-    if measures_noise:
-        out.append(Collective("all_reduce", NOISE_BYTES, world))
+def _unique(params) -> list[nn.Parameter]:
+    return list({id(p): p for p in params}.values())
+
+
+def fsdp_collectives(units: list[list[nn.Parameter]], dp: int, dtype_bytes: int,
+                     reshard_after_forward: bool = True) -> list[Collective]:
+    """FSDP2 over `dp` replicas, `units` the parameters of each module sharded apart, the root's last: each
+    unit's parameters, padded, all-gathered for the forward pass and, where the unit reshards after it
+    (every unit but the root), again for the backward pass; its gradients reduce-scattered once."""
+    out = []
+    for i, group in enumerate(units):
+        size = padded_elements(group, dp) * dtype_bytes
+        gathers = 1 if i == len(units) - 1 or not reshard_after_forward else 2
+        out += [Collective("all_gather", size, dp)] * gathers + [Collective("reduce_scatter", size, dp)]
     return out
+
+
+def tensor_parallel_collectives(layers: list[nn.Module], names: dict[int, str], plan, tokens: int, tp: int,
+                                dtype_bytes: int, head: bool) -> list[Collective]:
+    """Megatron's all-reduces of activations over the `tp` ranks of a tensor-parallel group, for one pass
+    of `tokens` tokens through `layers` (plain modules, named by `names`) split by the family's `plan`
+    (strategies/tensor_parallel.py): a column-parallel layer's input summed in backward (f), a row-parallel
+    layer's output and the vocabulary-parallel embedding's lookup summed in forward (g); with `head`, the
+    LM head's input summed in backward and the cross-entropy's three numbers per token (max, target logit,
+    sum of exponentials) in forward."""
+    out = []
+    for layer in layers:
+        for module in layer.modules():
+            style = next((s for pattern, s in plan.layers.items() if re.fullmatch(pattern, names.get(id(module), ""))),
+                         None)
+            if style is None:
+                continue
+            w = module.weight
+            conv = type(module).__name__ == "Conv1D"  # transformers' Conv1D keeps its weight [in, out]
+            if style in ("colwise", "colwise_qkv"):
+                width = w.shape[0] if conv else w.shape[1]
+            elif style == "rowwise":
+                width = w.shape[1] if conv else w.shape[0]
+            elif style == "vocab" and isinstance(module, nn.Embedding):
+                width = w.shape[1]
+            else:  # an untied LM head: below
+                continue
+            out.append(Collective("all_reduce", tokens * width * dtype_bytes, tp))
+    if head:
+        hidden = next(m for m in layers[-1].modules() if isinstance(m, nn.Linear)).in_features  # the LM head's
+        out.append(Collective("all_reduce", tokens * hidden * dtype_bytes, tp))
+        out += [Collective("all_reduce", tokens * 4, tp)] * 3  # fp32, whatever the precision
+    return out
+
+
+def zero_collectives(stage: int, model: nn.Module, dp: int, dtype_bytes: int, zero: dict, accumulation: int = 1
+                     ) -> list[Collective]:
+    """DeepSpeed's ZeRO over `dp` ranks (`zero`: the zero_optimization section it runs with, zero.py).
+
+    Stages 1 and 2: every gradient all-reduced (stage 1 once a step, stage 2 in each micro-batch's
+    backward pass, into the partitions; its buckets are cuts of them: a bucket spanning
+    several ranks' partitions is all-reduced, DeepSpeed's `use_multi_rank_bucket_allreduce`); two fp32
+    scalars of its step (the overflow check and the gradient norm); after the step, each parameter
+    group's updated partitions all-gathered, the group's flat buffer padded to a multiple of 2 x dp
+    elements (its `nccl_start_alignment_factor`).
+
+    Stage 3: parameters of fewer elements than `stage3_param_persistence_threshold` stay whole on every
+    rank and are all-gathered one by one after the step; the others, each padded to a multiple of dp,
+    all-gathered for each micro-batch's forward pass and, where DeepSpeed releases them before the
+    backward pass (their total beyond `stage3_max_reuse_distance`), again for it; every gradient,
+    padded, reduce-scattered in each micro-batch's backward pass; two 8-byte scalars of its step.
+    (Counted on gpt2-tiny, whose parameters all stay gathered between the passes; the released case
+    follows DeepSpeed's rule, not a count.)"""
+    from ..strategies.optim import parameter_groups
+
+    params = _unique(model.parameters())
+    if stage < 3:
+        out = [Collective("all_reduce", _elements(params) * dtype_bytes, dp)] * (accumulation if stage == 2 else 1)
+        out += [Collective("all_reduce", SCALAR_BYTES, dp)] * 2
+        align = 2 * dp
+        for group in parameter_groups(model, 1.0):
+            if group["params"]:
+                out.append(Collective("all_gather", math.ceil(_elements(group["params"]) / align) * align
+                                      * dtype_bytes, dp))
+        return out
+    threshold = zero.get("stage3_param_persistence_threshold", 100_000)
+    padded = [math.ceil(p.numel() / dp) * dp for p in params]
+    gathered = sum(n for p, n in zip(params, padded) if p.numel() >= threshold)
+    gathers = 1 if gathered <= zero.get("stage3_max_reuse_distance", 1e9) else 2
+    out = ([Collective("all_gather", gathered * dtype_bytes, dp)] * gathers
+           + [Collective("reduce_scatter", sum(padded) * dtype_bytes, dp)]) * accumulation
+    out += [Collective("all_reduce", 8, dp)] * 2
+    out += [Collective("all_gather", n * dtype_bytes, dp) for p, n in zip(params, padded) if p.numel() < threshold]
+    return out
+
+
+def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_points: list[int] | None = None,
+                   balance: str = "flops", reshard_after_forward: bool = True, zero: dict | None = None
+                   ) -> list[Collective]:
+    """The collectives rank `rank` runs in one training step (after the first two, whose DDP bucket order
+    is rebuilt) of `model` (the plain model; on the meta device is enough) under `layout`:
+
+    - pipeline (P > 1; stages.Pipeline's split, by `split_points` or balanced by `balance`): per
+      microbatch of each accumulation step, every stage boundary's activation sent forward and its
+      gradient sent back, over the pipeline group; the tied embedding's gradient summed over the ranks
+      holding a copy; the step's loss broadcast from the last stage;
+    - tensor parallel (T > 1): the activation all-reduces of this rank's layers, per accumulation step
+      (and microbatch), `tensor_parallel_collectives`;
+    - data parallel over the D replicas of this rank's parameters (those of its stages, of its tensor
+      parallel shard): sharding none, every gradient all-reduced once (DDP's buckets and the pipeline's
+      all-reduce per tensor are cuts of it); fsdp, `fsdp_collectives` over the modules FSDP shards apart
+      (fsdp.shard_units, then the root) or, with stages, over each layer of a stage, then the stage;
+      zero-1/2/3, `zero_collectives` (`zero`: DeepSpeed's zero_optimization section);
+    - the noise scale's four scalars over every rank where it is measured; and where gradients are
+      clipped and no rank holds the whole gradient, its squared norm summed over each group that splits it.
+    """
+    from ..models import pipeline_layers, tensor_parallel_plan_of
+    from ..strategies.fsdp import shard_units
+    from ..strategies.stages import split_model
+
+    P, T, D = layout.pipeline, layout.tensor, layout.data
+    if layout.sharding.startswith("zero"):
+        out = zero_collectives(int(layout.sharding[-1]), model, D, step.dtype_bytes, zero or {},
+                               step.accumulation) if D > 1 else []
+        return out + ([Collective("all_reduce", NOISE_BYTES, layout.world)] if step.measures_noise else [])
+    coords, b = layout.coordinates(rank), step.dtype_bytes
+    names = {id(m): n for n, m in model.named_modules()}
+    plan = tensor_parallel_plan_of(model) if T > 1 else None
+    tokens_per_row = math.prod(model.input_shape)
+    rows = step.rows // D // step.accumulation  # of one accumulation step of one replica
+    plain_layers = pipeline_layers(model)
+    whole, layers = _tensor_parallel_shard(model, T)  # what this rank holds (the plain model where T = 1)
+    out: list[Collective] = []
+    if P > 1:
+        stages = P * layout.virtual_stages
+        owner = {s: p for p in range(P) for s in _stages_of(layout, p)}
+        _, ranges, outputs = split_model(model, stages, split_points, balance)
+        local = _stages_of(layout, coords.pipeline)
+        micro, passes = rows // layout.microbatches, layout.microbatches * step.accumulation
+        for s in local:
+            for neighbour, sent in ((s - 1, outputs[s - 1] if s else None), (s + 1, outputs[s])):
+                if 0 <= neighbour < stages and owner[neighbour] != coords.pipeline:
+                    size = micro * math.prod(sent[0]) * sent[1].itemsize
+                    out += [Collective("send", size, P), Collective("recv", size, P)] * passes
+            if T > 1:
+                out += tensor_parallel_collectives(plain_layers[slice(*ranges[s])], names, plan,
+                                                   micro * tokens_per_row, T, b, s == stages - 1) * passes
+        held = [_unique(p for layer in layers[slice(*ranges[s])] for p in layer.parameters()) for s in range(stages)]
+        holders: dict[int, set[int]] = {}
+        for s, stage in enumerate(held):
+            for p in stage:
+                holders.setdefault(id(p), set()).add(owner[s])
+        for p in _unique(p for s in local for p in held[s]):
+            if len(holders[id(p)]) > 1:  # tied across pipeline ranks: one copy's gradient per rank, summed
+                elements = padded_elements([p], D) // D if layout.sharding == "fsdp" else p.numel()  # (its slice)
+                out.append(Collective("all_reduce", elements * b, len(holders[id(p)])))
+        params = [p for s in local for p in held[s]]  # a tied parameter's copy on each stage
+        # FSDP's units under a pipeline: each layer of a stage, then the stage (which owns none of its own)
+        units = [list(layer.parameters()) for s in local for layer in layers[slice(*ranges[s])]]
+    else:
+        if T > 1:
+            out += tensor_parallel_collectives(plain_layers, names, plan, rows * tokens_per_row, T, b,
+                                               True) * step.accumulation
+        params = _unique(whole.parameters())
+        unit_modules = shard_units(whole) if layout.sharding == "fsdp" else []
+        owned = {id(p) for u in unit_modules for p in u.parameters()}
+        units = [list(u.parameters()) for u in unit_modules] + [[p for p in params if id(p) not in owned]]
+
+    if D > 1 and layout.sharding == "none":
+        out.append(Collective("all_reduce", _elements(params) * b, D))
+    elif D > 1 and layout.sharding == "fsdp" and P > 1:
+        # torch's schedules drive FSDP themselves: a unit is gathered for each microbatch's forward pass
+        # (and resharded after it), once for the backward passes, kept until the last of them; the
+        # gradients reduce-scattered once per run of the schedule
+        for group in units:
+            if group:
+                size = padded_elements(group, D) * b
+                out += ([Collective("all_gather", size, D)] * (layout.microbatches + 1)
+                        + [Collective("reduce_scatter", size, D)]) * step.accumulation
+    elif D > 1 and layout.sharding == "fsdp":
+        out += fsdp_collectives(units, D, b, reshard_after_forward)
+    if P > 1:
+        out.append(Collective("broadcast", SCALAR_BYTES, P))
+    if step.measures_noise:
+        out.append(Collective("all_reduce", NOISE_BYTES, layout.world))
+    if step.grad_clip:
+        out += [Collective("all_reduce", SCALAR_BYTES, n) for n, split in
+                ((T, T > 1), (D, layout.sharding == "fsdp" and D > 1), (P, P > 1)) if split]
+    return out
+
+
+def _stages_of(layout, pp_rank: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` holds (pipeline.Options.stages_of, from the layout)."""
+    P = layout.pipeline
+    if layout.schedule == "zbv":
+        return [pp_rank, 2 * P - 1 - pp_rank]
+    return [pp_rank + v * P for v in range(layout.virtual_stages)]
+
+
+def _tensor_parallel_shard(model: nn.Module, tp: int) -> tuple[nn.Module, list[nn.Module]]:
+    """One tensor-parallel rank's model and pipeline layers: for `tp` > 1 a copy split as megatron splits
+    it (shapes only, no process group: tensor_split.ShapesOnly), its LM head that of megatron's stages
+    (holding the vocabulary rows, so a tie to the embedding is kept); the model itself where tp = 1."""
+    from .. import models
+
+    if tp == 1:
+        return model, models.pipeline_layers(model)
+    from ..strategies import tensor_parallel as tp_ops
+    from ..strategies.megatron_pipeline import VocabParallelHead
+    from ..strategies.tensor_split import ShapesOnly, split_lm
+
+    copied = copy.deepcopy(model)
+    split = split_lm(copied, ShapesOnly(None, tp, 0), tp_ops.ParallelRNG(0, torch.device("cpu")))
+    copied.lm_head = VocabParallelHead(split.model.head, model.config.vocab_size)
+    return split.model, models.pipeline_layers(copied)

@@ -304,6 +304,7 @@ class ZeroEngine(Engine):
         super().__init__(model, task, train, options, ctx, total_steps)
         config = merged(deepspeed_config(self.stage, options, train, train.global_batch_size, self.dp_size,
                                          self.num_params, self.device.type), options.deepspeed)
+        self.deepspeed_config = config  # (as DeepSpeed was given it: what metrics/comm.py predicts from)
         self.model = model.to(self.device)
         optimizer = build_optimizer(self.model, train)
         self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
