@@ -711,6 +711,21 @@ def parse_args(argv):
     return a
 
 
+def _record_achievable(name: str, rows: list[dict], run: dict, peaks: dict) -> str | None:
+    """The best MFU against the datasheet's peak, as the fraction of it `raytrain-par estimate --device`
+    takes as achievable on this GPU (raytrain_par/devices.py reads benchmarks/results/achievable.json)."""
+    from raytrain_par.devices import ACHIEVABLE_FILE, record_achievable
+
+    measured = [r for r in rows if r.get("mfu_vs_datasheet")]
+    if not measured:
+        return None
+    best = max(measured, key=lambda r: r["mfu_vs_datasheet"])
+    source = (f"benchmarks/gpu_check.py on {name}, {run['date']}, commit {run['commit']}: {best['strategy']} "
+              f"{run['model']['name']} at {best['mfu_vs_datasheet']:.1%} of the datasheet's {peaks['dtype']} peak")
+    entry = record_achievable(name, best["mfu_vs_datasheet"], source)
+    return None if entry is None else f"wrote {ACHIEVABLE_FILE}: {entry} achievable {best['mfu_vs_datasheet']:.1%}"
+
+
 def main(argv=None) -> int:
     start = time.monotonic()
     a = parse_args(argv)
@@ -795,9 +810,13 @@ def main(argv=None) -> int:
                          page_body(run, flops, peaks, rows, target),
                          str((out_dir or (REPO / "docs" if cuda else RESULTS)) / "gpu-check.md"))
 
+    achievable = _record_achievable(name, rows, run, peaks) if cuda and not out_dir else None
+
     print()
     print_table(HEAD, table_rows(rows))
     print(f"\n{target}\nwrote {json_path} and {md_path} in {run['wall_s']:.0f} s")
+    if achievable:
+        print(achievable)
     return 1 if any(r["status"].startswith("failed") for r in rows) else 0
 
 

@@ -137,11 +137,17 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("files", nargs="*", help="cluster files (default: every YAML in clusters/)")
     validate.add_argument("--experiment", dest="experiments", action="append", default=[], metavar="X.yaml",
                           help="experiment (or sweep) the cluster must hold (repeatable)")
-    est = add("estimate", help="predict per-worker memory of each strategy and worker count")
+    est = add("estimate", help="predict per-worker memory of each strategy and worker count, and on a named "
+              "device its step time, throughput and MFU")
     experiment_args(est)
     est.add_argument("--workers", help="worker counts, e.g. 1,2,4,8 (default: the sweep's, else the experiment's)")
     est.add_argument("--strategies", help="strategies, e.g. ddp,zero-3 (default: every strategy that can say)")
-    est.add_argument("--device-memory", help="memory of one device (e.g. 80GiB): flags what does not fit")
+    est.add_argument("--device-memory", help="memory of one device (e.g. 80GiB): flags what does not fit "
+                     "(default: --device's)")
+    est.add_argument("--device", help="predict step times on this device: one of " + ", ".join(_device_names()))
+    est.add_argument("--gpus-per-node", type=int, help="accelerators per node (default: the device's node)")
+    est.add_argument("--set-device", dest="device_overrides", action="append", default=[], metavar="FIELD=VALUE",
+                     help="override a figure of --device, e.g. inter_node_bw=12.5 (GB/s) or achievable=0.4")
     json_arg(est)
 
     exp = add("export", help="write the plain model of a run's latest checkpoint")
@@ -345,6 +351,32 @@ def _int_list(text: str, option: str) -> list[int]:
     return values
 
 
+def _device_names() -> list[str]:
+    from .devices import NAMES
+
+    return list(NAMES)
+
+
+def _device(args):
+    """--device with --gpus-per-node and --set-device applied, or None."""
+    from .devices import device
+
+    overrides = {}
+    for item in args.device_overrides:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UserError(f"--set-device {item!r}: expected FIELD=VALUE.\n  fix: e.g. --set-device inter_node_bw=12.5")
+        overrides[key.strip()] = value.strip()
+    if args.device is None:
+        if overrides or args.gpus_per_node is not None:
+            raise UserError("--set-device and --gpus-per-node change a --device, and none is named.\n"
+                            f"  fix: add --device, one of {', '.join(_device_names())}")
+        return None
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise UserError(f"--gpus-per-node {args.gpus_per_node}: must be at least 1.\n  fix: e.g. --gpus-per-node 8")
+    return device(args.device, overrides, args.gpus_per_node)
+
+
 def _estimate(spec, args) -> int:
     from . import estimate, strategies
     from .config import ScalingSpec
@@ -364,22 +396,33 @@ def _estimate(spec, args) -> int:
             raise UserError(f"--strategies: unknown strategy {unknown[0]!r}.\n  fix: use some of: {', '.join(strategies.NAMES)}")
     else:
         names = list(strategies.NAMES)
+    device = _device(args)
+    if device is not None:
+        device.peak(spec.train.precision)  # a precision the device lacks is refused before anything is sized
     device_memory = estimate.parse_size(args.device_memory) if args.device_memory else None
-    rows = estimate.estimate(spec, names, workers)
+    if device_memory is None and device is not None:
+        device_memory = int(device.memory_bytes)
+    rows = estimate.estimate(spec, names, workers, device)
     params = rows[0].params if rows else 0
     doc = {"experiment": spec.name, "model": spec.model.name, "parameters": params,
            "optimizer": spec.train.optimizer, "precision": spec.train.precision,
            "global_batch_size": spec.train.global_batch_size,
            "activation_checkpointing": spec.train.activation_checkpointing, "device_memory_bytes": device_memory,
-           "rows": [estimate.row_document(r, device_memory) for r in rows]}
+           "device": None if device is None else dataclasses.asdict(device),
+           "rows": [estimate.row_document(r, device_memory, device) for r in rows]}
     if getattr(args, "json", False):
         return 0, doc
     print(f"{spec.name}: {spec.model.name}, {params / 1e6:.1f}M parameters, {spec.train.optimizer}, "
           f"{spec.train.precision}, global batch {spec.train.global_batch_size}"
           + (f", activation checkpointing {spec.train.activation_checkpointing}"
              if spec.train.activation_checkpointing != "none" else "")
-          + (f", device memory {args.device_memory}" if device_memory else ""))
-    print(estimate.table(rows, device_memory))
+          + (f", device memory {args.device_memory}" if args.device_memory else ""))
+    if device is not None:
+        print(f"device {device.describe()}")
+    print(estimate.table(rows, device_memory, device))
+    if device is not None:
+        print("step (s) = compute + comm (what no computation hides) + bubble; figures and their sources: "
+              "raytrain-par estimate --json, under 'device'")
     return 0
 
 

@@ -48,6 +48,9 @@ class Row:
     gathered: float  # whole parameters of the units being computed (zero-3, fsdp)
     note: str = ""  # why the layout cannot exist: the row has no figures
     remark: str = ""  # how the row was estimated where that differs from the experiment
+    speed: object = None  # metrics/steptime.StepTime on the device asked for (`estimate(..., device=)`)
+    tokens_per_row: int = 1  # a sample's tokens (text), else 1: what throughput counts
+    spec: object = None  # the experiment this row stands for (its strategy and worker count)
 
     @property
     def device_bytes(self) -> float:
@@ -189,7 +192,18 @@ def largest_unit_bytes(model: torch.nn.Module, precision: str) -> int:
     return max(sizes) * width
 
 
-def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterable[int]) -> list[Row]:
+def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterable[int], device=None) -> list[Row]:
+    """A row per strategy and worker count: memory per worker, and with `device` (devices.Device) the
+    step's time on it (`step_time`)."""
+    rows = _memory(spec, names, workers)
+    if device is not None:
+        for r in rows:
+            if not r.note:
+                _add_speed(r, spec, device)
+    return rows
+
+
+def _memory(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterable[int]) -> list[Row]:
     info = data.shape_of(spec.data)
     model, _ = models.build_on_meta(spec.model, info)
     n = models.parameter_count(model)
@@ -222,7 +236,7 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
                 # the pipeline rank that holds the most, of its model states and activations together
                 r = max(pipeline_ranks(s, info), key=lambda r: r.device_bytes)
                 rows.append(Row(name, w, n, r.states.theory, r.states.expected, r.states.offloaded, r.activations,
-                                r.gathered, remark=remark))
+                                r.gathered, remark=remark, spec=s))
                 continue
             # one worker's parameters before data-parallel sharding (its tensor-parallel shard)
             local = models.parameter_count_of(cls.estimate_inputs(*models.build_on_meta(spec.model, info),
@@ -238,8 +252,50 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
                                                   s.train.activation_checkpointing, s.strategy)
             gathered = 2 * unit if name in ("zero-3", "fsdp") and s.layout.data > 1 else 0
             rows.append(Row(name, w, n, est.theory, est.expected, est.offloaded, act_cache[key], gathered,
-                            remark=remark))
+                            remark=remark, spec=s))
     return rows
+
+
+def step_time(s: config.ExperimentSpec, device):
+    """One step of `s` on `device` (metrics/steptime.py): the layout's collectives as our engines run
+    them, costed on the device's links, its FLOPs at the device's achievable rate. Raises
+    NotImplementedError where no prediction is written (PipeDream's asynchronous schedule)."""
+    from .metrics import flops
+    from .metrics.comm import Step
+    from .metrics.steptime import step_time as predict
+    from .strategies.zero import ZeroEngine, deepspeed_config, merged
+
+    info = data.shape_of(s.data)
+    model, _ = models.build_on_meta(s.model, info)
+    options = s.strategy.options
+    cls = strategies.engine_class(s.strategy.name, options)
+    layout = s.layout
+    if layout.schedule == "pipedream":
+        raise NotImplementedError("PipeDream's asynchronous schedule has no step-time prediction yet")
+    zero = None
+    if issubclass(cls, ZeroEngine):
+        zero = merged(deepspeed_config(int(layout.sharding[-1]), options, s.train, s.train.global_batch_size,
+                                       layout.data, models.parameter_count(model), "cuda"),
+                      getattr(options, "deepspeed", None) or {})["zero_optimization"]
+    # DeepSpeed holds 16-bit parameters and gradients under mixed precision; the other engines keep fp32
+    # parameters (autocast) and reduce fp32 gradients
+    width = 2 if zero is not None and s.train.precision != "fp32" else 4
+    step = Step(rows=s.train.global_batch_size, accumulation=s.train.gradient_accumulation_steps, dtype_bytes=width,
+                measures_noise=cls.measures_noise_scale(options, s.train, layout), grad_clip=s.train.grad_clip > 0)
+    total = flops.model_flops_per_step(s.model, info, s.train.global_batch_size)
+    return predict(layout, model, step, total, device, s.train.precision,
+                   recompute=s.train.activation_checkpointing != "none", zero=zero,
+                   split_points=getattr(options, "split_points", None), balance=getattr(options, "balance", "flops"))
+
+
+def _add_speed(r: Row, spec: config.ExperimentSpec, device) -> None:
+    try:
+        r.speed = step_time(r.spec, device)
+    except NotImplementedError as e:
+        r.remark = "; ".join(x for x in (r.remark, f"no step time: {e}") if x)
+        return
+    info = data.shape_of(spec.data)
+    r.tokens_per_row = info.seq_len if info.kind == "text" else 1
 
 
 #: share of a device's memory the model states, activations and gathered units may take: the rest is
@@ -279,22 +335,47 @@ def _parse_for_memory(raw: dict, remarks: list[str]) -> config.ExperimentSpec:
     return config.parse(raw)
 
 
-def row_document(r: Row, device_memory: int | None) -> dict:
-    """One row of `estimate --json`: bytes per worker, or why the layout cannot exist (`note`)."""
+def row_document(r: Row, device_memory: int | None, device=None) -> dict:
+    """One row of `estimate --json`: bytes per worker and, on a device, the step's time, or why the layout
+    cannot exist (`note`)."""
     possible = not r.note
-    return {"strategy": r.strategy, "workers": r.workers, "possible": possible, "note": r.note or None,
-            "remark": r.remark or None,
-            **({"states_theory_bytes": r.theory, "states_expected_bytes": r.expected, "in_host_bytes": r.offloaded,
-                "activation_bytes": r.activations, "gathered_bytes": r.gathered, "per_worker_bytes": r.device_bytes,
-                "bytes_per_parameter": r.expected / r.params if r.params else None,
-                "fits": None if device_memory is None else r.device_bytes <= device_memory} if possible else {})}
+    doc = {"strategy": r.strategy, "workers": r.workers, "possible": possible, "note": r.note or None,
+           "remark": r.remark or None,
+           **({"states_theory_bytes": r.theory, "states_expected_bytes": r.expected, "in_host_bytes": r.offloaded,
+               "activation_bytes": r.activations, "gathered_bytes": r.gathered, "per_worker_bytes": r.device_bytes,
+               "mem_per_worker_bytes": r.device_bytes,
+               "bytes_per_parameter": r.expected / r.params if r.params else None,
+               "fits": None if device_memory is None else r.device_bytes <= device_memory} if possible else {})}
+    if possible and device is not None:
+        doc.update(speed_document(r, device))
+    return doc
 
 
-def table(rows: list[Row], device_memory: int | None) -> str:
+def speed_document(r: Row, device) -> dict:
+    """The step-time columns of a row (None where the step is not predicted)."""
+    from .metrics import steptime
+
+    t = r.speed
+    if t is None:
+        return dict.fromkeys(("step_time_s", "compute_s", "exposed_comm_s", "comm_s", "bubble_s", "tokens_per_s",
+                              "samples_per_s", "tflops_per_gpu", "mfu", "comm_bytes_per_step"))
+    rows = r.spec.train.global_batch_size
+    return {"step_time_s": t.step_s, "compute_s": t.compute_s, "exposed_comm_s": t.exposed_comm_s, "comm_s": t.comm_s,
+            "bubble_s": t.bubble_s, "tokens_per_s": steptime.tokens_per_second(rows, r.tokens_per_row, t),
+            "samples_per_s": rows / t.step_s, "tflops_per_gpu": steptime.tflops_per_gpu(t, r.workers),
+            "mfu": steptime.mfu(t, r.workers, device.peak(r.spec.train.precision)),
+            "comm_bytes_per_step": t.bytes_per_step}
+
+
+def table(rows: list[Row], device_memory: int | None, device=None) -> str:
     """Model states ("theory": the textbook bytes; "expected": what the implementation holds), the part
-    of them in host memory (offload), activations, gathered whole units, and their device total."""
+    of them in host memory (offload), activations, gathered whole units, and their device total; on a
+    device, the step's time, split into computation, exposed communication and bubble, and what it
+    achieves."""
     head = ["strategy", "workers", "states theory", "states expected", "in host", "activations", "gathered",
             "per worker", "B/param", "fits"]
+    if device is not None:
+        head += ["step (s)", "compute", "comm", "bubble", "tokens/s", "TFLOP/s/GPU", "MFU"]
     out, notes = [], []
     for r in rows:
         if r.note or r.remark:
@@ -306,4 +387,10 @@ def table(rows: list[Row], device_memory: int | None) -> str:
                     size_text(r.offloaded) if r.offloaded else "-", size_text(r.activations),
                     size_text(r.gathered) if r.gathered else "-", size_text(r.device_bytes),
                     f"{r.expected / r.params:.2f}", fits])
+        if device is not None:
+            d = speed_document(r, device)
+            out[-1] += (["-"] * 7 if d["step_time_s"] is None else
+                        [f"{d['step_time_s']:.3g}", f"{d['compute_s']:.3g}", f"{d['exposed_comm_s']:.3g}",
+                         f"{d['bubble_s']:.3g}", f"{d['tokens_per_s']:.4g}", f"{d['tflops_per_gpu']:.3g}",
+                         f"{d['mfu']:.1%}"])
     return "\n".join([text_table(head, out), *notes])

@@ -245,7 +245,9 @@ def _trial_row(p: Plan, trial: dict, records: list[dict]) -> dict:
         info = data_sets.prepare(spec.data, spec.data.cache_dir, log=lambda *_: None)
         planned = spec.total_steps(steps_per_epoch(spec, info))
         met_and_stopped = spec.train.stop_at_target and records[-1].get("target_met")
-        if records[-1]["step"] < planned and not met_and_stopped:
+        # the run's length counts progress: steps of the starting batch (an adaptive batch takes fewer, larger)
+        done = records[-1].get("progress")
+        if (records[-1]["step"] if done is None else done) < planned and not met_and_stopped:
             status = "stopped early"
     row.update({"trial": trial["name"], "overrides": json.dumps(trial["overrides"]), "status": status,
                 "error": trial["error"], "strategy": spec.strategy.name, "num_workers": spec.scaling.num_workers,

@@ -66,3 +66,29 @@ def test_optuna_draws_each_trials_learning_rate_from_the_range_and_the_trial_tra
     for t in result.trials:
         trained = [r["lr"] for r in result.records if r["trial"] == t["trial"] and r["step"] > 0]
         assert trained and trained == pytest.approx([t["lr"]] * len(trained)), t["trial"]
+
+
+def test_a_sweep_trains_an_adaptive_point_beside_a_fixed_batch(ray_cluster, tmp_path):
+    """`train.adaptive_batch: [null, {...}]` in a sweep's grid: two trials through Ray Tune, one at the fixed
+    batch, one whose batch grows from it (short rows: the noise scale is above the starting batch from the
+    first steps); each trial's records and its row in trials.parquet say which it was."""
+    f = tmp_path / "adaptive.yaml"
+    f.write_text(yaml.safe_dump({
+        "name": "adaptive", "model": {"name": "gpt2-tiny"},
+        "data": {"name": "kjv", "seq_len": 32, "vocab_size": 512, "max_val_samples": 32},
+        "scaling": {"num_workers": 2},
+        "train": {"global_batch_size": 8, "max_steps": 9, "eval_every_steps": 3, "warmup_steps": 2, "lr": 2e-3,
+                  "checkpoint_every_evals": 0},
+        "output_dir": str(tmp_path),
+        "sweep": {"grid": {"train.adaptive_batch": [None, {"max_global_batch_size": 64}]},
+                  "max_concurrent_trials": 1}}))
+    result = run_sweep(load_experiment(f), log=lambda *_: None)
+    trials = {t["trial"].split("-", 1)[1]: t for t in result.trials}  # after Tune's trial counter
+    assert set(trials) == {"adaptive-fixed", "adaptive-64"}
+    assert all(t["status"] == "completed" for t in trials.values())
+    records = {name: [r for r in result.records if r["trial"] == t["trial"]] for name, t in trials.items()}
+    assert {r["global_batch_size"] for r in records["adaptive-fixed"]} == {8}
+    assert all(r.get("batch_decision") is None for r in records["adaptive-fixed"])
+    batches = [r["global_batch_size"] for r in records["adaptive-64"]]
+    assert batches[0] == 8 and max(batches) > 8  # explored, then chose
+    assert records["adaptive-64"][-1]["progress"] >= 9 and records["adaptive-64"][-1]["step"] < 9

@@ -28,7 +28,7 @@ import copy
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,22 @@ class Collective:
     op: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv, ...
     bytes: int  # of the whole buffer (see the module docstring)
     group_size: int
+    # predicted ones only: the layout's dimension whose group runs it (dp, tp, pp, world) and what it
+    # moves (ROLES), which decide the link it crosses and what computation can hide it (metrics/steptime.py)
+    dim: str = field(default="", compare=False)
+    role: str = field(default="", compare=False)
+
+
+#: what a predicted collective moves
+ROLES = {
+    "gradients": "gradients reduced over the replicas (overlaps the backward pass where the engine buckets them)",
+    "parameters": "sharded parameters gathered for a pass (prefetched under the previous unit's computation)",
+    "update": "updated parameter partitions gathered after the optimizer step",
+    "activations": "activations or their gradients summed over the tensor-parallel group, in the critical path",
+    "p2p": "a pipeline stage's activations or gradients sent to its neighbour",
+    "tie": "a tied parameter's gradient summed over the pipeline ranks holding it",
+    "scalar": "a few numbers: a loss, a norm, the noise scale's sums",
+}
 
 
 def _tensors(arg) -> list[torch.Tensor]:
@@ -145,7 +161,8 @@ def fsdp_collectives(units: list[list[nn.Parameter]], dp: int, dtype_bytes: int,
     for i, group in enumerate(units):
         size = padded_elements(group, dp) * dtype_bytes
         gathers = 1 if i == len(units) - 1 or not reshard_after_forward else 2
-        out += [Collective("all_gather", size, dp)] * gathers + [Collective("reduce_scatter", size, dp)]
+        out += ([Collective("all_gather", size, dp, "dp", "parameters")] * gathers
+                + [Collective("reduce_scatter", size, dp, "dp", "gradients")])
     return out
 
 
@@ -174,11 +191,11 @@ def tensor_parallel_collectives(layers: list[nn.Module], names: dict[int, str], 
                 width = w.shape[1]
             else:  # an untied LM head: below
                 continue
-            out.append(Collective("all_reduce", tokens * width * dtype_bytes, tp))
+            out.append(Collective("all_reduce", tokens * width * dtype_bytes, tp, "tp", "activations"))
     if head:
         hidden = next(m for m in layers[-1].modules() if isinstance(m, nn.Linear)).in_features  # the LM head's
-        out.append(Collective("all_reduce", tokens * hidden * dtype_bytes, tp))
-        out += [Collective("all_reduce", tokens * 4, tp)] * 3  # fp32, whatever the precision
+        out.append(Collective("all_reduce", tokens * hidden * dtype_bytes, tp, "tp", "activations"))
+        out += [Collective("all_reduce", tokens * 4, tp, "tp", "activations")] * 3  # fp32, whatever the precision
     return out
 
 
@@ -204,22 +221,24 @@ def zero_collectives(stage: int, model: nn.Module, dp: int, dtype_bytes: int, ze
 
     params = _unique(model.parameters())
     if stage < 3:
-        out = [Collective("all_reduce", _elements(params) * dtype_bytes, dp)] * (accumulation if stage == 2 else 1)
-        out += [Collective("all_reduce", SCALAR_BYTES, dp)] * 2
+        out = ([Collective("all_reduce", _elements(params) * dtype_bytes, dp, "dp", "gradients")]
+               * (accumulation if stage == 2 else 1))
+        out += [Collective("all_reduce", SCALAR_BYTES, dp, "dp", "scalar")] * 2
         align = 2 * dp
         for group in parameter_groups(model, 1.0):
             if group["params"]:
                 out.append(Collective("all_gather", math.ceil(_elements(group["params"]) / align) * align
-                                      * dtype_bytes, dp))
+                                      * dtype_bytes, dp, "dp", "update"))
         return out
     threshold = zero.get("stage3_param_persistence_threshold", 100_000)
     padded = [math.ceil(p.numel() / dp) * dp for p in params]
     gathered = sum(n for p, n in zip(params, padded) if p.numel() >= threshold)
     gathers = 1 if gathered <= zero.get("stage3_max_reuse_distance", 1e9) else 2
-    out = ([Collective("all_gather", gathered * dtype_bytes, dp)] * gathers
-           + [Collective("reduce_scatter", sum(padded) * dtype_bytes, dp)]) * accumulation
-    out += [Collective("all_reduce", 8, dp)] * 2
-    out += [Collective("all_gather", n * dtype_bytes, dp) for p, n in zip(params, padded) if p.numel() < threshold]
+    out = ([Collective("all_gather", gathered * dtype_bytes, dp, "dp", "parameters")] * gathers
+           + [Collective("reduce_scatter", sum(padded) * dtype_bytes, dp, "dp", "gradients")]) * accumulation
+    out += [Collective("all_reduce", 8, dp, "dp", "scalar")] * 2
+    out += [Collective("all_gather", n * dtype_bytes, dp, "dp", "update") for p, n in zip(params, padded)
+            if p.numel() < threshold]
     return out
 
 
@@ -251,7 +270,8 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
     if layout.sharding.startswith("zero"):
         out = zero_collectives(int(layout.sharding[-1]), model, D, step.dtype_bytes, zero or {},
                                step.accumulation) if D > 1 else []
-        return out + ([Collective("all_reduce", NOISE_BYTES, layout.world)] if step.measures_noise else [])
+        return out + ([Collective("all_reduce", NOISE_BYTES, layout.world, "world", "scalar")]
+                      if step.measures_noise else [])
     coords, b = layout.coordinates(rank), step.dtype_bytes
     names = {id(m): n for n, m in model.named_modules()}
     plan = tensor_parallel_plan_of(model) if T > 1 else None
@@ -270,7 +290,7 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
             for neighbour, sent in ((s - 1, outputs[s - 1] if s else None), (s + 1, outputs[s])):
                 if 0 <= neighbour < stages and owner[neighbour] != coords.pipeline:
                     size = micro * math.prod(sent[0]) * sent[1].itemsize
-                    out += [Collective("send", size, P), Collective("recv", size, P)] * passes
+                    out += [Collective("send", size, P, "pp", "p2p"), Collective("recv", size, P, "pp", "p2p")] * passes
             if T > 1:
                 out += tensor_parallel_collectives(plain_layers[slice(*ranges[s])], names, plan,
                                                    micro * tokens_per_row, T, b, s == stages - 1) * passes
@@ -282,7 +302,7 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
         for p in _unique(p for s in local for p in held[s]):
             if len(holders[id(p)]) > 1:  # tied across pipeline ranks: one copy's gradient per rank, summed
                 elements = padded_elements([p], D) // D if layout.sharding == "fsdp" else p.numel()  # (its slice)
-                out.append(Collective("all_reduce", elements * b, len(holders[id(p)])))
+                out.append(Collective("all_reduce", elements * b, len(holders[id(p)]), "pp", "tie"))
         params = [p for s in local for p in held[s]]  # a tied parameter's copy on each stage
         # FSDP's units under a pipeline: each layer of a stage, then the stage (which owns none of its own)
         units = [list(layer.parameters()) for s in local for layer in layers[slice(*ranges[s])]]
@@ -296,7 +316,7 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
         units = [list(u.parameters()) for u in unit_modules] + [[p for p in params if id(p) not in owned]]
 
     if D > 1 and layout.sharding == "none":
-        out.append(Collective("all_reduce", _elements(params) * b, D))
+        out.append(Collective("all_reduce", _elements(params) * b, D, "dp", "gradients"))
     elif D > 1 and layout.sharding == "fsdp" and P > 1:
         # torch's schedules drive FSDP themselves: a unit is gathered for each microbatch's forward pass
         # (and resharded after it), once for the backward passes, kept until the last of them; the
@@ -304,17 +324,17 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
         for group in units:
             if group:
                 size = padded_elements(group, D) * b
-                out += ([Collective("all_gather", size, D)] * (layout.microbatches + 1)
-                        + [Collective("reduce_scatter", size, D)]) * step.accumulation
+                out += ([Collective("all_gather", size, D, "dp", "parameters")] * (layout.microbatches + 1)
+                        + [Collective("reduce_scatter", size, D, "dp", "gradients")]) * step.accumulation
     elif D > 1 and layout.sharding == "fsdp":
         out += fsdp_collectives(units, D, b, reshard_after_forward)
     if P > 1:
-        out.append(Collective("broadcast", SCALAR_BYTES, P))
+        out.append(Collective("broadcast", SCALAR_BYTES, P, "pp", "scalar"))
     if step.measures_noise:
-        out.append(Collective("all_reduce", NOISE_BYTES, layout.world))
+        out.append(Collective("all_reduce", NOISE_BYTES, layout.world, "world", "scalar"))
     if step.grad_clip:
-        out += [Collective("all_reduce", SCALAR_BYTES, n) for n, split in
-                ((T, T > 1), (D, layout.sharding == "fsdp" and D > 1), (P, P > 1)) if split]
+        out += [Collective("all_reduce", SCALAR_BYTES, n, dim, "scalar") for n, dim, split in
+                ((T, "tp", T > 1), (D, "dp", layout.sharding == "fsdp" and D > 1), (P, "pp", P > 1)) if split]
     return out
 
 
