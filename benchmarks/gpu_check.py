@@ -713,7 +713,7 @@ def parse_args(argv):
 
 def _record_achievable(name: str, rows: list[dict], run: dict, peaks: dict) -> str | None:
     """The best MFU against the datasheet's peak, as the fraction of it `raytrain-par estimate --device`
-    takes as achievable on this GPU (raytrain_par/devices.py reads benchmarks/results/achievable.json)."""
+    takes as achievable on this GPU (raytrain_par/devices.py reads raytrain_par/achievable.json)."""
     from raytrain_par.devices import ACHIEVABLE_FILE, record_achievable
 
     measured = [r for r in rows if r.get("mfu_vs_datasheet")]

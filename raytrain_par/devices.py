@@ -8,7 +8,7 @@ network adapters). Bandwidth is per direction: what a ring collective's bus band
 
 `achievable` is the one figure per device that is not a datasheet's: the fraction of the peak a
 training step's matmuls reach (MFU at best). `benchmarks/gpu_check.py` measures it where it runs on
-a GPU and writes it to benchmarks/results/achievable.json, which this catalogue reads; until then
+a GPU and writes it to raytrain_par/achievable.json, which this catalogue reads; until then
 each device carries the figure and source given below. The latencies are assumptions of the order
 of NCCL's small-message collective times (no datasheet states one); every figure can be overridden
 on the command line (`--set-device FIELD=VALUE`) or by a cluster file's node type.
@@ -28,8 +28,9 @@ GB = 1e9  # bandwidths in GB/s as the datasheets give them (10^9 bytes)
 GIB = 2**30
 US = 1e-6
 
-#: where `benchmarks/gpu_check.py` writes each device's measured achievable fraction
-ACHIEVABLE_FILE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "achievable.json"
+#: where `benchmarks/gpu_check.py` writes each device's measured achievable fraction (in the package: an
+#: installed copy reads what the checkout measured)
+ACHIEVABLE_FILE = Path(__file__).resolve().parent / "achievable.json"
 
 
 @dataclass(frozen=True)
