@@ -97,7 +97,8 @@ def cpu_device(link: tuple[float, float], peak_tflops: float, achievable: float,
     share = min(1.0, cores / ranks)
     bandwidth, latency = link
     return devices.Device("cpu", {"fp32": peak_tflops * share}, 0, bandwidth, bandwidth, latency, latency, ranks,
-                          achievable, {"peak_tflops": "probed here, one thread", "intra_node_bw": "measured here"})
+                          achievable, {"peak_tflops": "probed here, one thread", "intra_node_bw": "measured here"},
+                          overlaps_communication=False)
 
 
 def predict(spec, device) -> dict:
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
     seconds = np.array(run_ranks(2, _link, SIZES, 20)[0])
     # a two-rank all-reduce: B / bandwidth + 2 latency (metrics/steptime.py's ring with n = 2)
     slope, intercept = np.polyfit(np.array(SIZES, dtype=float), seconds, 1)
-    link = (1.0 / slope, max(intercept, 0.0) / 2)
+    link = (float(1.0 / slope), float(max(intercept, 0.0) / 2))
     print(f"one thread's fp32 matmul peak {peak:.3g} TFLOP/s; loopback {link[0] / 1e9:.3g} GB/s, "
           f"{link[1] * 1e6:.0f} us a step; {os.cpu_count()} cores", flush=True)
 
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
     achievable = flops / one["measured_s"] / (peak * 1e12)
     for r, (label, strategy, ranks) in zip(rows, LAYOUTS):
         r.update(predict(spec_of(strategy, ranks), cpu_device(link, peak, achievable, ranks)))
-        r["error"] = r["predicted_s"] / r["measured_s"] - 1
+        r["error"] = float(r["predicted_s"] / r["measured_s"] - 1)
 
     head = ["layout", "ranks", "measured (ms)", "predicted (ms)", "error", "compute", "comm (exposed)", "bubble"]
     table = [[r["layout"], r["ranks"], f"{r['measured_s'] * 1000:.0f}", f"{r['predicted_s'] * 1000:.0f}",
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     print_table(head, table)
     worst = max(rows, key=lambda r: abs(r["error"]))
     within = sum(abs(r["error"]) <= TARGET for r in rows)
-    met = within == len(rows)
+    met = bool(within == len(rows))
     verdict = (f"{within} of {len(rows)} rows within {TARGET:.0%} of the measured step time, the worst "
                f"{worst['layout']} x{worst['ranks']} at {worst['error']:+.0%} (target: every row): "
                f"**{'met' if met else 'NOT met'}**")
@@ -178,7 +179,8 @@ first, the slowest rank's. The prediction is `raytrain-par estimate --device cpu
 ([step-time.md](step-time.md)) given this machine's figures, measured before the rows: one thread's fp32
 matmul peak ({peak:.3g} TFLOP/s), the loopback's bandwidth and latency ({link[0] / 1e9:.3g} GB/s, {link[1] * 1e6:.0f} µs
 a ring step: gloo all-reduces of 4 KiB to 16 MiB between two ranks, a least-squares line) and
-{os.cpu_count()} cores (4 ranks share them: each computes at half its peak). One figure is fitted: the
+{os.cpu_count()} cores (4 ranks share them: each computes at half its peak; gloo's collectives run on
+those cores, so no computation hides them). One figure is fitted: the
 achievable fraction, {achievable:.2f} of the probed peak, from the ddp row at 1 rank, whose error is 0
 by construction. Times in ms; "comm" is the communication the model says no computation hides.
 

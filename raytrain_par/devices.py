@@ -45,6 +45,9 @@ class Device:
     gpus_per_node: int
     achievable: float  # fraction of the peak a training step's matmuls reach
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+    # whether collectives run beside the computation (a GPU's NCCL kernels and copy engines) rather than
+    # on the cores that compute (gloo on a CPU): what computation can hide (metrics/steptime.py)
+    overlaps_communication: bool = True
 
     def peak(self, precision: str) -> float:
         """FLOP/s of the dtype a run computes in: bf16/fp16 on the tensor cores, fp32 on the plain FP32
@@ -133,7 +136,8 @@ def cpu() -> Device:
                       "inter_node_latency_s": "assumed: as inside the node",
                       "gpus_per_node": "this machine's CPU cores: one worker each",
                       "achievable": "1: the probe is what this machine's matmuls reach",
-                  })
+                      "overlaps_communication": "no: gloo's collectives run on the cores that compute",
+                  }, overlaps_communication=False)
 
 
 def measured_achievable() -> dict[str, dict]:

@@ -64,6 +64,15 @@ def test_ddp_hides_its_all_reduce_behind_the_backward_pass_until_it_is_longer(ti
     assert far.comm_s == pytest.approx(10 * t.comm_s)
 
 
+def test_where_collectives_share_the_computing_cores_nothing_hides_them(tiny):
+    """gloo on a CPU runs its collectives on the cores that compute: the all-reduce DDP hides behind the
+    backward pass on a GPU is all exposed."""
+    t = step_time(Layout.of(2), tiny, Step(rows=8), 2 * 3e-3 * 10e12, replace(DEVICE, overlaps_communication=False),
+                  "fp32")
+    assert t.exposed_comm_s == pytest.approx(t.comm_s) and t.comm_s > 0
+    assert t.step_s == pytest.approx(3e-3 + t.comm_s)
+
+
 def test_a_pipeline_pays_its_bubble_and_its_fill_and_drain(tiny):
     """GPipe over 2 stages, 4 microbatches: bubble (P - 1) / M of the computation; the tied embedding's
     gradient (512 x 128 fp32) and the loss are exposed, and one microbatch's message each way."""

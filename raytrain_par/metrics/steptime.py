@@ -104,16 +104,17 @@ def step_time(layout, model, step: Step, flops_per_step: float, device, precisio
     worst = None
     for p in range(P):
         collectives = predicted_step(layout, model, step, layout.rank_of(p, 0, 0), split_points, balance, zero=zero)
-        total, exposed, size = _costed(collectives, links, compute, P)
+        total, exposed, size = _costed(collectives, links, compute, P, device.overlaps_communication)
         if worst is None or exposed > worst[1]:
             worst = (total, exposed, size)
     total, exposed, size = worst
     return StepTime(compute, total, exposed, bubble, flops_per_step, size)
 
 
-def _costed(collectives: list[Collective], links: dict[str, Link], compute: float, P: int
+def _costed(collectives: list[Collective], links: dict[str, Link], compute: float, P: int, overlaps: bool = True
             ) -> tuple[float, float, float]:
-    """(all communication, the part no computation hides, bytes) of one rank's collectives."""
+    """(all communication, the part no computation hides, bytes) of one rank's collectives; on a device
+    that does not overlap communication with computation, all of it."""
     gradients = gathers = exposed = 0.0
     sends = []
     for c in collectives:
@@ -130,6 +131,8 @@ def _costed(collectives: list[Collective], links: dict[str, Link], compute: floa
     hidden_beyond = max(0.0, gradients - compute * BACKWARD_SHARE, gradients + gathers - compute)
     # A pipeline's messages cross while other microbatches compute, but for the fill and the drain.
     pipeline = 2 * (P - 1) * max(sends, default=0.0)
+    if not overlaps:
+        hidden_beyond, pipeline = gradients + gathers, sum(sends)
     return gradients + gathers + exposed + sum(sends), exposed + hidden_beyond + pipeline, \
         float(sum(c.bytes for c in collectives))
 
