@@ -261,7 +261,6 @@ def step_time(s: config.ExperimentSpec, device):
     them, costed on the device's links, its FLOPs at the device's achievable rate. Raises
     NotImplementedError where no prediction is written (PipeDream's asynchronous schedule)."""
     from .metrics import flops
-    from .metrics.comm import Step
     from .metrics.steptime import step_time as predict
     from .strategies.zero import ZeroEngine, deepspeed_config, merged
 
@@ -277,15 +276,29 @@ def step_time(s: config.ExperimentSpec, device):
         zero = merged(deepspeed_config(int(layout.sharding[-1]), options, s.train, s.train.global_batch_size,
                                        layout.data, models.parameter_count(model), "cuda"),
                       getattr(options, "deepspeed", None) or {})["zero_optimization"]
-    # DeepSpeed holds 16-bit parameters and gradients under mixed precision; the other engines keep fp32
-    # parameters (autocast) and reduce fp32 gradients
-    width = 2 if zero is not None and s.train.precision != "fp32" else 4
-    step = Step(rows=s.train.global_batch_size, accumulation=s.train.gradient_accumulation_steps, dtype_bytes=width,
-                measures_noise=cls.measures_noise_scale(options, s.train, layout), grad_clip=s.train.grad_clip > 0)
     total = flops.model_flops_per_step(s.model, info, s.train.global_batch_size)
-    return predict(layout, model, step, total, device, s.train.precision,
+    return predict(layout, model, collective_step(s), total, device, s.train.precision,
                    recompute=s.train.activation_checkpointing != "none", zero=zero,
                    split_points=getattr(options, "split_points", None), balance=getattr(options, "balance", "flops"))
+
+
+def collective_step(s: config.ExperimentSpec):
+    """What the collectives of one step of `s` depend on (metrics/comm.py Step): its rows, accumulation,
+    clipping, whether its engine measures the noise scale, and the widths its engine sends. Under 16-bit
+    precision DeepSpeed holds 16-bit parameters and gradients; FSDP's mixed-precision policy gathers
+    16-bit parameters and reduces fp32 gradients; the other engines keep fp32 parameters under autocast
+    and reduce fp32 gradients; every engine's matmuls output 16 bits."""
+    from .metrics.comm import Step
+    from .strategies.fsdp import FSDPEngine
+    from .strategies.zero import ZeroEngine
+
+    cls = strategies.engine_class(s.strategy.name, s.strategy.options)
+    half = s.train.precision != "fp32"
+    return Step(rows=s.train.global_batch_size, accumulation=s.train.gradient_accumulation_steps,
+                dtype_bytes=2 if half and issubclass(cls, ZeroEngine) else 4, compute_bytes=2 if half else 4,
+                gather_bytes=2 if half and issubclass(cls, FSDPEngine) else None,
+                measures_noise=cls.measures_noise_scale(s.strategy.options, s.train, s.layout),
+                grad_clip=s.train.grad_clip > 0)
 
 
 def _add_speed(r: Row, spec: config.ExperimentSpec, device) -> None:

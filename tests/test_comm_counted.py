@@ -9,7 +9,8 @@ import torch
 
 from engines import KJV, experiment
 from raytrain_par.local_group import run_ranks
-from raytrain_par.metrics.comm import CountCollectives, Step, predicted_step, totals
+from raytrain_par.estimate import collective_step
+from raytrain_par.metrics.comm import CountCollectives, predicted_step, totals
 
 PIPELINE = {"name": "pipeline", "stages": 2, "microbatches": 2}
 #: name -> (strategy, the worker counts it runs at)
@@ -31,6 +32,12 @@ CASES = {
     "megatron T2": ({"name": "megatron", "tensor_parallel": 2}, (2, 4)),  # at 4: T2 x D2
     "megatron T2 x fsdp": ({"name": "megatron", "tensor_parallel": 2, "data_parallel_sharding": "fsdp"}, (4,)),
     "megatron T2 x P2": ({"name": "megatron", "tensor_parallel": 2, "stages": 2, "microbatches": 2}, (4,)),
+    # under bf16: row-parallel outputs, FSDP's gathered parameters and DeepSpeed's states in 16 bits
+    **{f"{name}, bf16": (strategy, (2,)) for name, strategy in [
+        ("ddp", "ddp"), ("fsdp", "fsdp"), ("zero-1", "zero-1"), ("zero-2", "zero-2"), ("zero-3", "zero-3"),
+        ("megatron T2", {"name": "megatron", "tensor_parallel": 2}), ("pipeline P2", PIPELINE)]},
+    "megatron T2 x fsdp, bf16": ({"name": "megatron", "tensor_parallel": 2, "data_parallel_sharding": "fsdp"}, (4,)),
+    "pipeline P2 x fsdp, bf16": ({**PIPELINE, "data_parallel_sharding": "fsdp"}, (4,)),
 }
 
 
@@ -48,7 +55,8 @@ def _count(rank, world, info_dict):
         clip = 1.0 if "clipped" in name else 0.0
         accumulation = 2 if "accumulation" in name else 1
         spec = config.from_dict(experiment("gpt2-tiny", KJV, strategy=strategy, workers=world, batch=8, steps=4,
-                                           grad_clip=clip, gradient_accumulation_steps=accumulation))
+                                           grad_clip=clip, gradient_accumulation_steps=accumulation,
+                                           precision="bf16" if "bf16" in name else "fp32"))
         model, task = models.build(spec.model, info, 0)
         plain, _ = models.build(spec.model, info, 0)  # the shapes before the engine wraps, splits or shards them
         ctx = DistContext.current(torch.device("cpu"))
@@ -59,7 +67,8 @@ def _count(rank, world, info_dict):
             engine.train_step(batch)
         with CountCollectives() as counted:
             engine.train_step(batches[2])
-        step = Step(rows=8, accumulation=accumulation, measures_noise=engine.measures_noise, grad_clip=bool(clip))
+        step = collective_step(spec)
+        assert step.measures_noise == engine.measures_noise
         zero = getattr(engine, "deepspeed_config", {}).get("zero_optimization")
         predicted = predicted_step(engine.layout, plain, step, rank, zero=zero)
         out[name] = (totals(counted.collectives), totals(predicted), len(counted.collectives))

@@ -18,8 +18,8 @@ dimension by dimension: the pipeline's point-to-point messages (from the stages'
 schedule's microbatches), the tensor-parallel all-reduces of activations (from the family's plan),
 then the data-parallel reduction of the gradients this rank holds, and the scalars of the noise scale
 and of clipping's norm. tests/test_comm_counted.py checks predicted = counted for every layout at 2 and
-4 gloo ranks, in fp32; under 16-bit precision some activations and DeepSpeed's parameters travel in 16
-bits, which `Step.dtype_bytes` (one width for everything) does not yet tell apart.
+4 gloo ranks, in fp32 and in bf16 (where row-parallel layers' outputs, FSDP's gathered parameters and
+DeepSpeed's states travel in 16 bits: `Step`'s widths).
 """
 
 from __future__ import annotations
@@ -129,7 +129,9 @@ class Step:
 
     rows: int  # the global batch
     accumulation: int = 1  # gradient-accumulation steps
-    dtype_bytes: int = 4  # of a parameter, its gradient and an activation (fp32)
+    dtype_bytes: int = 4  # of a gradient reduced (and a parameter gathered): 2 for DeepSpeed's 16-bit states
+    compute_bytes: int = 4  # of what a matmul outputs: 2 under bf16 / fp16 autocast
+    gather_bytes: int | None = None  # of a parameter FSDP gathers, where it differs (a mixed-precision policy)
     measures_noise: bool = False  # the engine measures the gradient noise scale (Engine.measures_noise)
     grad_clip: bool = False  # train.grad_clip > 0: the norm of the whole gradient is summed over groups
 
@@ -153,27 +155,30 @@ def _unique(params) -> list[nn.Parameter]:
 
 
 def fsdp_collectives(units: list[list[nn.Parameter]], dp: int, dtype_bytes: int,
-                     reshard_after_forward: bool = True) -> list[Collective]:
+                     reshard_after_forward: bool = True, gather_bytes: int | None = None) -> list[Collective]:
     """FSDP2 over `dp` replicas, `units` the parameters of each module sharded apart, the root's last: each
-    unit's parameters, padded, all-gathered for the forward pass and, where the unit reshards after it
-    (every unit but the root), again for the backward pass; its gradients reduce-scattered once."""
+    unit's parameters, padded, all-gathered (at `gather_bytes` an element) for the forward pass and, where
+    the unit reshards after it (every unit but the root), again for the backward pass; its gradients
+    reduce-scattered once."""
     out = []
     for i, group in enumerate(units):
-        size = padded_elements(group, dp) * dtype_bytes
+        elements = padded_elements(group, dp)
         gathers = 1 if i == len(units) - 1 or not reshard_after_forward else 2
-        out += ([Collective("all_gather", size, dp, "dp", "parameters")] * gathers
-                + [Collective("reduce_scatter", size, dp, "dp", "gradients")])
+        out += ([Collective("all_gather", elements * (gather_bytes or dtype_bytes), dp, "dp", "parameters")] * gathers
+                + [Collective("reduce_scatter", elements * dtype_bytes, dp, "dp", "gradients")])
     return out
 
 
 def tensor_parallel_collectives(layers: list[nn.Module], names: dict[int, str], plan, tokens: int, tp: int,
-                                dtype_bytes: int, head: bool) -> list[Collective]:
+                                compute_bytes: int, head: bool) -> list[Collective]:
     """Megatron's all-reduces of activations over the `tp` ranks of a tensor-parallel group, for one pass
     of `tokens` tokens through `layers` (plain modules, named by `names`) split by the family's `plan`
     (strategies/tensor_parallel.py): a column-parallel layer's input summed in backward (f), a row-parallel
     layer's output and the vocabulary-parallel embedding's lookup summed in forward (g); with `head`, the
     LM head's input summed in backward and the cross-entropy's three numbers per token (max, target logit,
-    sum of exponentials) in forward."""
+    sum of exponentials) in forward. A row-parallel layer sums its matmul's output, `compute_bytes` an
+    element (16-bit under autocast); the rest is fp32 (the residual stream, the gradients autocast casts
+    back to it, the embedding's lookup, the cross-entropy's sums)."""
     out = []
     for layer in layers:
         for module in layer.modules():
@@ -184,17 +189,17 @@ def tensor_parallel_collectives(layers: list[nn.Module], names: dict[int, str], 
             w = module.weight
             conv = type(module).__name__ == "Conv1D"  # transformers' Conv1D keeps its weight [in, out]
             if style in ("colwise", "colwise_qkv"):
-                width = w.shape[0] if conv else w.shape[1]
+                width, size = (w.shape[0] if conv else w.shape[1]), 4
             elif style == "rowwise":
-                width = w.shape[1] if conv else w.shape[0]
+                width, size = (w.shape[1] if conv else w.shape[0]), compute_bytes
             elif style == "vocab" and isinstance(module, nn.Embedding):
-                width = w.shape[1]
+                width, size = w.shape[1], 4
             else:  # an untied LM head: below
                 continue
-            out.append(Collective("all_reduce", tokens * width * dtype_bytes, tp, "tp", "activations"))
+            out.append(Collective("all_reduce", tokens * width * size, tp, "tp", "activations"))
     if head:
         hidden = next(m for m in layers[-1].modules() if isinstance(m, nn.Linear)).in_features  # the LM head's
-        out.append(Collective("all_reduce", tokens * hidden * dtype_bytes, tp, "tp", "activations"))
+        out.append(Collective("all_reduce", tokens * hidden * 4, tp, "tp", "activations"))
         out += [Collective("all_reduce", tokens * 4, tp, "tp", "activations")] * 3  # fp32, whatever the precision
     return out
 
@@ -206,7 +211,8 @@ def zero_collectives(stage: int, model: nn.Module, dp: int, dtype_bytes: int, ze
     Stages 1 and 2: every gradient all-reduced (stage 1 once a step, stage 2 in each micro-batch's
     backward pass, into the partitions; its buckets are cuts of them: a bucket spanning
     several ranks' partitions is all-reduced, DeepSpeed's `use_multi_rank_bucket_allreduce`); two fp32
-    scalars of its step (the overflow check and the gradient norm); after the step, each parameter
+    scalars of its step (the overflow check and the gradient norm: two fp32 numbers, or under 16-bit
+    states a byte and an fp64 number); after the step, each parameter
     group's updated partitions all-gathered, the group's flat buffer padded to a multiple of 2 x dp
     elements (its `nccl_start_alignment_factor`).
 
@@ -223,7 +229,7 @@ def zero_collectives(stage: int, model: nn.Module, dp: int, dtype_bytes: int, ze
     if stage < 3:
         out = ([Collective("all_reduce", _elements(params) * dtype_bytes, dp, "dp", "gradients")]
                * (accumulation if stage == 2 else 1))
-        out += [Collective("all_reduce", SCALAR_BYTES, dp, "dp", "scalar")] * 2
+        out += [Collective("all_reduce", n, dp, "dp", "scalar") for n in ((4, 4) if dtype_bytes == 4 else (1, 8))]
         align = 2 * dp
         for group in parameter_groups(model, 1.0):
             if group["params"]:
@@ -293,7 +299,8 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
                     out += [Collective("send", size, P, "pp", "p2p"), Collective("recv", size, P, "pp", "p2p")] * passes
             if T > 1:
                 out += tensor_parallel_collectives(plain_layers[slice(*ranges[s])], names, plan,
-                                                   micro * tokens_per_row, T, b, s == stages - 1) * passes
+                                                   micro * tokens_per_row, T, step.compute_bytes,
+                                                   s == stages - 1) * passes
         held = [_unique(p for layer in layers[slice(*ranges[s])] for p in layer.parameters()) for s in range(stages)]
         holders: dict[int, set[int]] = {}
         for s, stage in enumerate(held):
@@ -308,8 +315,8 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
         units = [list(layer.parameters()) for s in local for layer in layers[slice(*ranges[s])]]
     else:
         if T > 1:
-            out += tensor_parallel_collectives(plain_layers, names, plan, rows * tokens_per_row, T, b,
-                                               True) * step.accumulation
+            out += tensor_parallel_collectives(plain_layers, names, plan, rows * tokens_per_row, T,
+                                               step.compute_bytes, True) * step.accumulation
         params = _unique(whole.parameters())
         unit_modules = shard_units(whole) if layout.sharding == "fsdp" else []
         owned = {id(p) for u in unit_modules for p in u.parameters()}
@@ -323,11 +330,12 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
         # gradients reduce-scattered once per run of the schedule
         for group in units:
             if group:
-                size = padded_elements(group, D) * b
-                out += ([Collective("all_gather", size, D, "dp", "parameters")] * (layout.microbatches + 1)
-                        + [Collective("reduce_scatter", size, D, "dp", "gradients")]) * step.accumulation
+                elements = padded_elements(group, D)
+                out += ([Collective("all_gather", elements * (step.gather_bytes or b), D, "dp", "parameters")]
+                        * (layout.microbatches + 1)
+                        + [Collective("reduce_scatter", elements * b, D, "dp", "gradients")]) * step.accumulation
     elif D > 1 and layout.sharding == "fsdp":
-        out += fsdp_collectives(units, D, b, reshard_after_forward)
+        out += fsdp_collectives(units, D, b, reshard_after_forward, step.gather_bytes)
     if P > 1:
         out.append(Collective("broadcast", SCALAR_BYTES, P, "pp", "scalar"))
     if step.measures_noise:
