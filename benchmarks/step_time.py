@@ -1,6 +1,6 @@
 """Predicted step time (`raytrain-par estimate --device cpu`'s model, metrics/steptime.py) against the step
-time measured on this machine, for every strategy at 1 and 2 ranks and at 4 ranks, in plain gloo process
-groups: the error per row.
+time measured on this machine, for every strategy at 1 and 2 ranks (the pipelines from 2) and at 4 ranks,
+in plain gloo process groups: the error per row.
 
     python benchmarks/step_time.py                      # gpt2-mini, global batch 16 x 128 tokens
 
@@ -40,7 +40,9 @@ from common import check_readme_target, markdown_table, print_table, provenance,
 PIPE = {"name": "pipeline", "stages": 2, "schedule": "1f1b", "microbatches": 4}
 #: (label, strategy, ranks)
 LAYOUTS = [
-    ("ddp", "ddp", 1), ("ddp", "ddp", 2), ("fsdp", "fsdp", 2), ("zero-1", "zero-1", 2), ("zero-2", "zero-2", 2),
+    ("ddp", "ddp", 1), ("fsdp", "fsdp", 1), ("zero-1", "zero-1", 1), ("zero-2", "zero-2", 1), ("zero-3", "zero-3", 1),
+    ("megatron T1", {"name": "megatron", "tensor_parallel": 1}, 1),
+    ("ddp", "ddp", 2), ("fsdp", "fsdp", 2), ("zero-1", "zero-1", 2), ("zero-2", "zero-2", 2),
     ("zero-3", "zero-3", 2), ("megatron T2", {"name": "megatron", "tensor_parallel": 2}, 2),
     ("pipeline P2", PIPE, 2),
     ("ddp", "ddp", 4), ("fsdp", "fsdp", 4), ("zero-2", "zero-2", 4), ("zero-3", "zero-3", 4),
