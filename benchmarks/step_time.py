@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="gpt2-mini")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5, help="steps per layout; the first is not timed")
+    p.add_argument("--steps", type=int, default=9, help="steps per layout; the first is not timed")
     p.add_argument("--out", help="JSON path (default benchmarks/results/step_time.json)")
     p.add_argument("--page", help="the docs page (default docs/step-time-results.md)")
     a = p.parse_args(argv)
