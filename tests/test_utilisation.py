@@ -34,12 +34,21 @@ def run_loop(info_dict, tmp_path, monkeypatch, steps=9, every=4):
     return spec, info, trainer.run(), measured
 
 
+def _nine_steps(rank, world, info_dict, tmp_path):
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _, _, records, measured = run_loop(info_dict, tmp_path, monkeypatch, steps=9, every=4)
+    return records, measured
+
+
 @pytest.fixture(scope="module")
 def nine_steps(info, tmp_path_factory):
     """One process trains 9 steps, evaluating every 4: (spec, data info, records, the steps before
-    each model-state measurement)."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        return run_loop(info("kjv"), tmp_path_factory.mktemp("loop"), monkeypatch, steps=9, every=4)
+    each model-state measurement). A process of its own, as a worker is: the allocator's count of what
+    the model states hold would also see what the test session's other threads allocate and free."""
+    info_dict = info("kjv")
+    records, measured = run_ranks(1, _nine_steps, info_dict, tmp_path_factory.mktemp("loop"))[0]
+    raw = experiment("gpt2-tiny", "kjv", batch=8, steps=9, eval_every_steps=4, eval_at_start=False)
+    return config.from_dict(raw), DatasetInfo.from_json(info_dict), records, measured
 
 
 def test_records_carry_model_flops_and_mfu_against_the_probe(nine_steps):
