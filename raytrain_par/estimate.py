@@ -199,7 +199,7 @@ def estimate(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterabl
     if device is not None:
         for r in rows:
             if not r.note:
-                _add_speed(r, spec, device)
+                _add_speed(r, device)
     return rows
 
 
@@ -301,13 +301,13 @@ def collective_step(s: config.ExperimentSpec):
                 grad_clip=s.train.grad_clip > 0)
 
 
-def _add_speed(r: Row, spec: config.ExperimentSpec, device) -> None:
+def _add_speed(r: Row, device) -> None:
     try:
         r.speed = step_time(r.spec, device)
     except NotImplementedError as e:
         r.remark = "; ".join(x for x in (r.remark, f"no step time: {e}") if x)
         return
-    info = data.shape_of(spec.data)
+    info = data.shape_of(r.spec.data)
     r.tokens_per_row = info.seq_len if info.kind == "text" else 1
 
 

@@ -288,9 +288,9 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
     out: list[Collective] = []
     if P > 1:
         stages = P * layout.virtual_stages
-        owner = {s: p for p in range(P) for s in _stages_of(layout, p)}
+        owner = {s: p for p in range(P) for s in layout.stages_of(p)}
         _, ranges, outputs = split_model(model, stages, split_points, balance)
-        local = _stages_of(layout, coords.pipeline)
+        local = layout.stages_of(coords.pipeline)
         micro, passes = rows // layout.microbatches, layout.microbatches * step.accumulation
         for s in local:
             for neighbour, sent in ((s - 1, outputs[s - 1] if s else None), (s + 1, outputs[s])):
@@ -346,27 +346,15 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
     return out
 
 
-def _stages_of(layout, pp_rank: int) -> list[int]:
-    """The stages pipeline rank `pp_rank` holds (pipeline.Options.stages_of, from the layout)."""
-    P = layout.pipeline
-    if layout.schedule == "zbv":
-        return [pp_rank, 2 * P - 1 - pp_rank]
-    return [pp_rank + v * P for v in range(layout.virtual_stages)]
-
-
 def _tensor_parallel_shard(model: nn.Module, tp: int) -> tuple[nn.Module, list[nn.Module]]:
-    """One tensor-parallel rank's model and pipeline layers: for `tp` > 1 a copy split as megatron splits
-    it (shapes only, no process group: tensor_split.ShapesOnly), its LM head that of megatron's stages
-    (holding the vocabulary rows, so a tie to the embedding is kept); the model itself where tp = 1."""
+    """One tensor-parallel rank's model and pipeline layers: for `tp` > 1 a copy split as megatron's
+    stages split it (megatron_pipeline.split_shapes); the model itself where tp = 1."""
     from .. import models
 
     if tp == 1:
         return model, models.pipeline_layers(model)
-    from ..strategies import tensor_parallel as tp_ops
-    from ..strategies.megatron_pipeline import VocabParallelHead
-    from ..strategies.tensor_split import ShapesOnly, split_lm
+    from ..strategies.megatron_pipeline import split_shapes
 
     copied = copy.deepcopy(model)
-    split = split_lm(copied, ShapesOnly(None, tp, 0), tp_ops.ParallelRNG(0, torch.device("cpu")))
-    copied.lm_head = VocabParallelHead(split.model.head, model.config.vocab_size)
-    return split.model, models.pipeline_layers(copied)
+    split_shapes(copied, tp)
+    return copied, models.pipeline_layers(copied)

@@ -81,6 +81,13 @@ class Layout:
         return {"pipeline_parallel": self.pipeline, "tensor_parallel": self.tensor, "data_parallel": self.data,
                 "data_parallel_sharding": self.sharding}
 
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """Stage indices pipeline rank `pp_rank` holds: looped (p, p + P, ...) or, for zbv, a V (p, 2P - 1 - p)."""
+        P = self.pipeline
+        if self.schedule == "zbv":
+            return [pp_rank, 2 * P - 1 - pp_rank]
+        return [pp_rank + v * P for v in range(self.virtual_stages)]
+
     def describe(self) -> str:
         parts = [f"{n} {v}" for n, v in (("pipeline", self.pipeline), ("tensor", self.tensor)) if v > 1]
         data = f"data {self.data}" + (f" ({self.sharding})" if self.sharding != "none" else "")

@@ -59,6 +59,17 @@ class VocabParallelHead(nn.Module):
         return local_logits(hidden, self.weight, self.padding, self.tp).view(*hidden.shape[:-1], -1)
 
 
+def split_shapes(model: nn.Module, tensor_parallel: int) -> tuple[ShapesOnly, int]:
+    """Split `model` in place as one of `tensor_parallel` ranks holds it, shapes only (no process group),
+    its LM head the stages' vocabulary-parallel one (holding the vocabulary rows, so a tie to the
+    embedding is kept): `models.pipeline_layers(model)` are then that rank's layers. Returns the group
+    the split layers sum over (it sums nothing) and the first vocabulary row of the rank's slice."""
+    tp = ShapesOnly(None, tensor_parallel, 0)
+    split = split_lm(model, tp, tp_ops.ParallelRNG(0, torch.device("cpu")))
+    model.lm_head = VocabParallelHead(split.model.head, model.config.vocab_size)
+    return tp, split.model.vocab_start
+
+
 class _SplitVocabularyTask:
     """The task, with evaluation's sums taken from split logits."""
 
@@ -92,10 +103,7 @@ class MegatronPipelineEngine(SplitState, PipelineEngine):
     def estimate_stage_inputs(cls, model, task, options):
         """The layers as one tensor-parallel rank holds them (shapes only, no process group) and the
         vocabulary-parallel loss of its logits."""
-        tp = ShapesOnly(None, options.tensor_parallel, 0)
-        split = split_lm(model, tp, tp_ops.ParallelRNG(0, torch.device("cpu")))
-        model.lm_head = VocabParallelHead(split.model.head, model.config.vocab_size)
-        start = split.model.vocab_start
+        tp, start = split_shapes(model, options.tensor_parallel)
 
         def loss(logits, labels):
             return tp_ops.vocab_parallel_cross_entropy(logits.flatten(0, -2), labels.flatten(), start, tp).mean()

@@ -93,11 +93,8 @@ class Options:
         return self.virtual_stages or (2 if self.schedule in MULTI else 1)
 
     def stages_of(self, pp_rank: int) -> list[int]:
-        """Stage indices pipeline rank `pp_rank` holds: looped (p, p + P, ...) or, for zbv, a V (p, 2P - 1 - p)."""
-        P = self.stages
-        if self.schedule == "zbv":
-            return [pp_rank, 2 * P - 1 - pp_rank]
-        return [pp_rank + v * P for v in range(self.stages_per_worker)]
+        """Stage indices pipeline rank `pp_rank` holds (Layout.stages_of)."""
+        return Layout(self.stages, schedule=self.schedule, virtual_stages=self.stages_per_worker).stages_of(pp_rank)
 
     def validate(self, spec, error) -> None:
         P, M, V = self.stages, self.num_microbatches, self.stages_per_worker
