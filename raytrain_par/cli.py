@@ -3,12 +3,15 @@
     raytrain-par run EXPERIMENT.yaml [--address ADDR] [--set key=value ...] [--resume]
     raytrain-par sweep EXPERIMENT.yaml [--address ADDR] [--set ...] [--resume]   Ray Tune over its sweep block
     raytrain-par plan EXPERIMENT.yaml [--set ...] [--device-memory 80GiB]   predicted time-to-target of every sweep point
+                 [--probe-workers 1] | [--cluster FILE | --device NAME] [--workers 8..256] [--records DIR] [--price USD]
     raytrain-par report RESULTS_DIR [--out DIR]         figures and a ranked summary of a run or sweep
     raytrain-par check EXPERIMENT.yaml [--set ...]      validate and print the resolved experiment
     raytrain-par data EXPERIMENT.yaml                   prepare (and cache) the experiment's data set
     raytrain-par cluster validate [FILES] [--experiment X.yaml ...]   check cluster YAMLs offline
     raytrain-par estimate EXPERIMENT.yaml [--workers 1,2,4,8] [--device-memory 80GiB] [--strategies ...]
-                                                        per-worker memory of each strategy, before launching
+                 [--device NAME | --cluster FILE] [--records RUN_DIR] [--price USD]
+                                                        per-worker memory of each strategy, before launching; step
+                                                        time on a device; time and cost to the target
     raytrain-par export RUN_DIR --out DIR               the plain model of a run's latest checkpoint
     raytrain-par reproduce [FINDING ...] [--paper] [--list]   the study's findings, a page each
 """
@@ -112,6 +115,12 @@ def _parser() -> argparse.ArgumentParser:
     experiment_args(plan)
     plan.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded local cluster)")
     plan.add_argument("--device-memory", help="memory of one device (e.g. 80GiB): flags points that do not fit")
+    plan.add_argument("--probe-workers", help="probe only these worker counts (e.g. 1); the step at the others comes "
+                      "from the step-time model (raytrain-par estimate's), calibrated on those probes")
+    device_args(plan, "rank the points on", "an earlier run of this experiment (or plan) to take the reference "
+                "from, instead of training one")
+    plan.add_argument("--workers", help="with --cluster or --device: the worker counts to rank, e.g. 8,16,64 or "
+                      "8..256 (powers of two; default: the sweep's)")
     json_arg(plan)
 
     report = add("report", help="write figures and a ranked Markdown summary of a run or sweep")
@@ -144,10 +153,8 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--strategies", help="strategies, e.g. ddp,zero-3 (default: every strategy that can say)")
     est.add_argument("--device-memory", help="memory of one device (e.g. 80GiB): flags what does not fit "
                      "(default: --device's)")
-    est.add_argument("--device", help="predict step times on this device: one of " + ", ".join(_device_names()))
-    est.add_argument("--gpus-per-node", type=int, help="accelerators per node (default: the device's node)")
-    est.add_argument("--set-device", dest="device_overrides", action="append", default=[], metavar="FIELD=VALUE",
-                     help="override a figure of --device, e.g. inter_node_bw=12.5 (GB/s) or achievable=0.4")
+    device_args(est, "predict step times on", "a reference run of this experiment (results/<name>, or a plan's "
+                "directory): adds the time to the target, from its gradient noise scale")
     json_arg(est)
 
     exp = add("export", help="write the plain model of a run's latest checkpoint")
@@ -341,6 +348,31 @@ def _cluster_validate(files: list[str], experiments: list[str]) -> int:
     if bad:
         print(f"{len(bad)} of {len(results)} cluster file(s) have problems", file=sys.stderr)
     return 2 if bad else 0
+
+
+def device_args(parser, what: str, records: str) -> None:
+    """The options that name a device nothing here runs on (`estimate`, `plan`) and price its time."""
+    parser.add_argument("--device", help=f"{what} this device: one of " + ", ".join(_device_names()))
+    parser.add_argument("--gpus-per-node", type=int, help="accelerators per node (default: the device's node)")
+    parser.add_argument("--set-device", dest="device_overrides", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a figure of the device, e.g. inter_node_bw=12.5 (GB/s) or achievable=0.4")
+    parser.add_argument("--cluster", help=f"{what} the GPU machines of this cluster file (e.g. "
+                        "clusters/aws-a100.yaml): their GPU, node, network, price and how many GPUs it holds")
+    parser.add_argument("--records", metavar="DIR", help=records)
+    parser.add_argument("--price", type=float, metavar="USD", help="price of one GPU-hour (default: the --cluster "
+                        "machine's on-demand price): adds the cost to the target")
+
+
+def _price(args, price: float | None) -> float | None:
+    """--price where given (checked), else `price` (the cluster's)."""
+    if args.price is None:
+        return price
+    if not args.price > 0:
+        raise UserError(f"--price {args.price:g}: must be positive.\n  fix: the price of one GPU-hour in USD, "
+                        "e.g. --price 4.10")
+    return args.price
+
+
 def _int_list(text: str, option: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -358,7 +390,8 @@ def _device_names() -> list[str]:
 
 
 def _device(args):
-    """--device with --gpus-per-node and --set-device applied, or None."""
+    """(device, USD per GPU-hour, clusters.GpuNodes): --device with --gpus-per-node and --set-device applied
+    (no price, no cluster), or --cluster's GPU machine; Nones where neither is given."""
     from .devices import device
 
     overrides = {}
@@ -367,14 +400,21 @@ def _device(args):
         if not eq:
             raise UserError(f"--set-device {item!r}: expected FIELD=VALUE.\n  fix: e.g. --set-device inter_node_bw=12.5")
         overrides[key.strip()] = value.strip()
+    if getattr(args, "cluster", None):
+        from .devices import cluster_device
+
+        if args.device is not None or args.gpus_per_node is not None:
+            raise UserError(f"--cluster {args.cluster} names the device and its node; --device and --gpus-per-node "
+                            "would contradict it.\n  fix: drop them (--set-device FIELD=VALUE changes a figure)")
+        return cluster_device(args.cluster, overrides)
     if args.device is None:
         if overrides or args.gpus_per_node is not None:
             raise UserError("--set-device and --gpus-per-node change a --device, and none is named.\n"
                             f"  fix: add --device, one of {', '.join(_device_names())}")
-        return None
+        return None, None, None
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise UserError(f"--gpus-per-node {args.gpus_per_node}: must be at least 1.\n  fix: e.g. --gpus-per-node 8")
-    return device(args.device, overrides, args.gpus_per_node)
+    return device(args.device, overrides, args.gpus_per_node), None, None
 
 
 def _estimate(spec, args) -> int:
@@ -396,20 +436,43 @@ def _estimate(spec, args) -> int:
             raise UserError(f"--strategies: unknown strategy {unknown[0]!r}.\n  fix: use some of: {', '.join(strategies.NAMES)}")
     else:
         names = list(strategies.NAMES)
-    device = _device(args)
+    device, price, nodes = _device(args)
     if device is not None:
         device.peak(spec.train.precision)  # a precision the device lacks is refused before anything is sized
+    price = _price(args, price)
+    target = None
+    if args.records:
+        if device is None:
+            raise UserError(f"--records {args.records}: the time to the target needs step times.\n  fix: add --device "
+                            f"NAME (one of {', '.join(_device_names())}) or --cluster FILE")
+        target = estimate.to_target(spec, args.records, price)
+    elif args.price is not None:
+        raise UserError("--price prices the time to the target, which --records gives.\n  fix: add --records DIR "
+                        "(a run of this experiment that reached its target)")
     device_memory = estimate.parse_size(args.device_memory) if args.device_memory else None
     if device_memory is None and device is not None:
         device_memory = int(device.memory_bytes)
-    rows = estimate.estimate(spec, names, workers, device)
+    rows = estimate.estimate(spec, names, [w for w in workers if nodes is None or not nodes.too_small_for(w)], device)
+    if nodes is not None:
+        rows += [estimate.Row(n, w, rows[0].params if rows else 0, 0, 0, 0, 0, 0,
+                              note=f"not possible: {nodes.too_small_for(w)}")
+                 for n in names for w in workers if nodes.too_small_for(w)]
+        rows.sort(key=lambda r: (names.index(r.strategy), r.workers))
     params = rows[0].params if rows else 0
     doc = {"experiment": spec.name, "model": spec.model.name, "parameters": params,
            "optimizer": spec.train.optimizer, "precision": spec.train.precision,
            "global_batch_size": spec.train.global_batch_size,
            "activation_checkpointing": spec.train.activation_checkpointing, "device_memory_bytes": device_memory,
            "device": None if device is None else dataclasses.asdict(device),
-           "rows": [estimate.row_document(r, device_memory, device) for r in rows]}
+           "cluster": None if nodes is None else {"file": str(nodes.path), "node_type": nodes.node_type,
+                                                  "instance": nodes.instance, "gpus_per_node": nodes.gpus_per_node,
+                                                  "max_gpus": nodes.max_gpus, "spot_also": nodes.spot_also},
+           "usd_per_gpu_hour": price,
+           "reference": None if target is None else {
+               "records": target.source, "target": str(spec.target), "global_batch_size": target.reference.batch,
+               "steps_to_target": target.reference.steps, "min_steps": target.reference.min_steps,
+               "grad_noise_scale": target.reference.noise_scale},
+           "rows": [estimate.row_document(r, device_memory, device, target) for r in rows]}
     if getattr(args, "json", False):
         return 0, doc
     print(f"{spec.name}: {spec.model.name}, {params / 1e6:.1f}M parameters, {spec.train.optimizer}, "
@@ -419,28 +482,75 @@ def _estimate(spec, args) -> int:
           + (f", device memory {args.device_memory}" if args.device_memory else ""))
     if device is not None:
         print(f"device {device.describe()}")
-    print(estimate.table(rows, device_memory, device))
+    if nodes is not None:
+        print(f"cluster {nodes.path}: {nodes.node_type} ({nodes.instance}, {nodes.gpus_per_node} GPUs a node), at most "
+              f"{nodes.max_gpus} GPUs" + (f"; ${price:.2f} per GPU-hour on demand" if price is not None else ""))
+        if nodes.spot_also:
+            print("  its spot node type runs the same machines for less, and may be taken back: price the time to the "
+                  "target at your spot rate with --price USD_PER_GPU_HOUR")
+    if target is not None:
+        ref = target.reference
+        print(f"reference {target.source}: {spec.target} after {ref.steps:.0f} steps at batch {ref.batch}; gradient "
+              f"noise scale {ref.noise_scale:.1f}, so {ref.steps_to_target(spec.train.global_batch_size):.0f} steps "
+              f"at batch {spec.train.global_batch_size}")
+    print(estimate.table(rows, device_memory, device, target))
     if device is not None:
         print("step (s) = compute + comm (what no computation hides) + bubble; figures and their sources: "
               "raytrain-par estimate --json, under 'device'")
+    if target is not None:
+        print(estimate.best_to_target(rows, device_memory, target))
     return 0
 
 
 def _plan(spec, args) -> int:
     from . import estimate
-    from .goodput import make_plan, plan_table
+    from .goodput import cluster_plan, make_plan, plan_table, worker_counts
 
     device_memory = estimate.parse_size(args.device_memory) if args.device_memory else None
-    result = make_plan(spec, address=args.address, device_memory=device_memory)
+    probe_workers = _int_list(args.probe_workers, "--probe-workers") if args.probe_workers else None
+    device, price, nodes = _device(args)
+    price = _price(args, price)
+    if device is None:
+        for given, option in ((args.workers, "--workers"), (args.records, "--records"), (args.price, "--price")):
+            if given is not None:
+                raise UserError(f"{option} ranks the points on a device this plan does not run on.\n  fix: add "
+                                "--cluster FILE or --device NAME, or leave it out to probe this cluster")
+        result = make_plan(spec, address=args.address, device_memory=device_memory, probe_workers=probe_workers)
+    else:
+        if probe_workers is not None:
+            raise UserError("--probe-workers probes this cluster, and --cluster / --device rank a device that is not "
+                            "probed.\n  fix: drop one of them")
+        device.peak(spec.train.precision)  # a precision the device lacks is refused before anything runs
+        workers = worker_counts(args.workers) if args.workers else None
+        result = cluster_plan(spec, device, nodes, price, workers, args.records, args.address)
     if getattr(args, "json", False):
         return 0, {"experiment": spec.name, "target": str(spec.target), "plan": str(result.path),
-                   "seconds": result.seconds, "notes": result.notes, "rows": result.rows}
+                   "seconds": result.seconds, "notes": result.notes, "rows": result.rows,
+                   "device": None if device is None else dataclasses.asdict(device), "usd_per_gpu_hour": price}
     print("")
+    if device is not None:
+        print(f"device {device.describe()}" + (f"; ${price:.2f} per GPU-hour" if price is not None else ""))
     print(plan_table(result.rows))
-    best = result.rows[0]
-    print(f"* step time predicted by the fitted model, not probed at that point\n"
-          f"predicted fastest to {spec.target}: {best['trial']} ({best['predicted_time_to_target_s']:.1f} s of "
-          f"training); plan in {result.path} ({result.seconds:.0f} s)")
+    for r in result.rows:
+        if not r.get("possible", True):
+            print(f"{r['trial']}: {r['note']}")
+    ranked = [r for r in result.rows if r.get("possible", True)]
+    if not ranked:
+        print(f"no point of the sweep is possible; plan in {result.path}")
+        return 0
+    best = ranked[0]
+    print("+ step time from the step-time model on the device, nothing probed" if device is not None else
+          "* step time from the model fitted to the probes, + from the step-time model calibrated on them; "
+          "others probed")
+    soonest = estimate.duration_text(best["predicted_time_to_target_s"])
+    print(f"predicted fastest to {spec.target}: {best['trial']} ({soonest} of training); plan in {result.path} "
+          f"({result.seconds:.0f} s)")
+    priced = [r for r in ranked if r.get("predicted_cost_usd") is not None and r["fits"] is not False]
+    if priced:
+        cheapest = min(priced, key=lambda r: r["predicted_cost_usd"])
+        cost, seconds = cheapest["predicted_cost_usd"], cheapest["predicted_time_to_target_s"]
+        print(f"predicted cheapest to {spec.target}: {cheapest['trial']} ({estimate.usd_text(cost)}, "
+              f"{estimate.duration_text(seconds)} on {cheapest['num_workers']} GPUs)")
     return 0
 
 

@@ -50,6 +50,8 @@ class NodeType:
     min_workers: int
     max_workers: int
     head: bool = False
+    instance: str | None = None  # the cloud machine type its node_config names (InstanceType, machineType)
+    spot: bool = False  # launched as spot / preemptible capacity
 
     def describe(self) -> str:
         res = ", ".join(f"{int(v) if float(v).is_integer() else v} {k}" for k, v in self.resources.items()
@@ -206,7 +208,13 @@ def _check_launcher(cluster: ClusterFile, raw: dict) -> None:
     for name, t in config.get("available_node_types", {}).items():
         head = name == head_type
         lo, hi = t.get("min_workers", 0), t.get("max_workers", 0 if head else config.get("max_workers", 0))
-        cluster.node_types.append(NodeType(name, dict(t.get("resources", {})), lo, hi, head))
+        node = t.get("node_config") or {}
+        instance = node.get("InstanceType") or node.get("machineType")
+        scheduling = node.get("scheduling") or {}
+        spot = bool(node.get("InstanceMarketOptions")) or scheduling.get("provisioningModel") == "SPOT" \
+            or bool(scheduling.get("preemptible"))
+        cluster.node_types.append(NodeType(name, dict(t.get("resources", {})), lo, hi, head,
+                                           instance if isinstance(instance, str) else None, spot))
     cluster.max_workers = config.get("max_workers", sum(t.max_workers for t in cluster.node_types))
     _check_security_group(cluster, provider)
     for key in ("head_start_ray_commands", "worker_start_ray_commands", "setup_commands"):
@@ -411,6 +419,51 @@ def _check_secrets(cluster: ClusterFile, doc: Any, path: str = "") -> None:
             _check_secrets(cluster, v, f"{path}[{i}]")
     elif isinstance(doc, str) and _AWS_KEY.search(doc):
         cluster.problem(path, "(hidden)", "holds an AWS access key id", "remove it; credentials come from the environment")
+
+
+# -- the accelerators a cluster rents ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GpuNodes:
+    """The GPU machines a cluster file launches: what `estimate --cluster` predicts on."""
+
+    path: Path
+    node_type: str
+    instance: str | None  # the cloud machine type (None: the file does not say, as a KubeRay group)
+    gpus_per_node: int
+    max_gpus: int  # at its max_workers (and the cluster's)
+    spot_also: bool = False  # the same machines are offered as spot capacity too
+
+    def too_small_for(self, workers: int) -> str | None:
+        """Why `workers` GPUs do not fit on these machines, or None."""
+        if workers <= self.max_gpus:
+            return None
+        nodes = self.max_gpus // self.gpus_per_node
+        return f"{self.path} holds at most {self.max_gpus} GPUs ({nodes} x {self.node_type})"
+
+
+def gpu_nodes(path: str | Path) -> GpuNodes:
+    """The one GPU machine type of a cluster file (its on-demand node type; a spot type of the same machine
+    beside it is the same hardware). Raises UserError for a file with problems, or with no or several GPU
+    machine types."""
+    cluster = check_file(Path(path))
+    if not cluster.ok:
+        raise UserError(f"--cluster {path}: {cluster.problems[0]}\n  (`raytrain-par cluster validate {path}` lists "
+                        "every problem)")
+    gpu = [t for t in cluster.node_types if not t.head and t.resources.get("GPU", 0) > 0]
+    if not gpu:
+        raise UserError(f"--cluster {path}: no node type with GPUs.\n  fix: a cluster file with a GPU worker type "
+                        "(clusters/aws-a100.yaml, aws-v100.yaml, gcp-a100.yaml)")
+    machines = {(t.instance, t.resources["GPU"]) for t in gpu}
+    if len(machines) > 1:
+        named = ", ".join(f"{t.name} ({t.instance or 'machine not named'}, {t.resources['GPU']:g} GPUs)" for t in gpu)
+        raise UserError(f"--cluster {path}: its GPU node types are different machines ({named}); a prediction is "
+                        "for one.\n  fix: a cluster file with one GPU machine type, or --device NAME --price USD")
+    chosen = next((t for t in gpu if not t.spot), gpu[0])
+    per_node = int(chosen.resources["GPU"])
+    nodes = min(chosen.max_workers, cluster.max_workers or chosen.max_workers)
+    return GpuNodes(Path(path), chosen.name, chosen.instance, per_node, nodes * per_node,
+                    spot_also=any(t.spot for t in gpu) and not chosen.spot)
 
 
 # -- capacity -----------------------------------------------------------------------------------

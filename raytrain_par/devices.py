@@ -8,10 +8,12 @@ network adapters). Bandwidth is per direction: what a ring collective's bus band
 
 `achievable` is the one figure per device that is not a datasheet's: the fraction of the peak a
 training step's matmuls reach (MFU at best). `benchmarks/gpu_check.py` measures it where it runs on
-a GPU and writes it to raytrain_par/achievable.json, which this catalogue reads; until then
-each device carries the figure and source given below. The latencies are assumptions of the order
-of NCCL's small-message collective times (no datasheet states one); every figure can be overridden
-on the command line (`--set-device FIELD=VALUE`) or by a cluster file's node type.
+a GPU and writes it to raytrain_par/achievable.json, which this catalogue reads first; then the
+fraction `benchmarks/published.py` fits to published runs of that GPU (raytrain_par/fitted_achievable.json,
+docs/published-runs.md); else each device carries the figure and source given below. The latencies
+are assumptions of the order of NCCL's small-message collective times (no datasheet states one);
+every figure can be overridden on the command line (`--set-device FIELD=VALUE`), and a cluster
+file's machine type sets the GPUs per node and the network (`INSTANCES`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import UserError
 
@@ -31,6 +34,9 @@ US = 1e-6
 #: where `benchmarks/gpu_check.py` writes each device's measured achievable fraction (in the package: an
 #: installed copy reads what the checkout measured)
 ACHIEVABLE_FILE = Path(__file__).resolve().parent / "achievable.json"
+#: where `benchmarks/published.py` writes the fraction fitted to published runs of each GPU (docs/published-runs.md):
+#: taken where no GPU here has measured one
+FITTED_FILE = Path(__file__).resolve().parent / "fitted_achievable.json"
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,11 @@ class Device:
     # whether collectives run beside the computation (a GPU's NCCL kernels and copy engines) rather than
     # on the cores that compute (gloo on a CPU): what computation can hide (metrics/steptime.py)
     overlaps_communication: bool = True
+    # each collective's time over the ring model's on this device's links (metrics/steptime.py), by op;
+    # 1 where absent. NCCL's rings reach about one bus bandwidth whatever the op (nccl-tests), so the
+    # catalogue's GPUs leave it empty; gloo's all-gather and reduce-scatter run slower than its all-reduce,
+    # and this machine's are measured (measure_loopback).
+    collective_factors: dict[str, float] = field(default_factory=dict, compare=False)
 
     def peak(self, precision: str) -> float:
         """FLOP/s of the dtype a run computes in: bf16/fp16 on the tensor cores, fp32 on the plain FP32
@@ -102,7 +113,8 @@ def _variant(base: Device, name: str, memory_gb: int, memory_source: str, **sour
 
 
 CATALOGUE: dict[str, Device] = {d.name: d for d in [
-    _V100, _A100, _variant(_A100, "a100-80gb", 80, "NVIDIA A100 datasheet: 80 GB HBM2e"), _H100,
+    _V100, _variant(_V100, "v100-16gb", 16, "NVIDIA V100 datasheet: 16 GB HBM2"),
+    _A100, _variant(_A100, "a100-80gb", 80, "NVIDIA A100 datasheet: 80 GB HBM2e"), _H100,
     _variant(_H100, "h200", 141, "NVIDIA H200 datasheet: 141 GB HBM3e",
              peak_tflops="NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16/fp16, 494 tf32, 67 fp32, dense (as H100)",
              inter_node_bw="NVIDIA DGX H200: 8 x 400 Gb/s NDR InfiniBand for 8 GPUs",
@@ -140,12 +152,111 @@ def cpu() -> Device:
                   }, overlaps_communication=False)
 
 
+#: bytes of the collectives that measure the loopback link
+LINK_SIZES = [2**k for k in range(12, 25, 2)]
+#: the ops whose time over the ring model's is measured beside the all-reduce (Device.collective_factors)
+FACTOR_OPS = ("all_gather", "reduce_scatter")
+
+
+def _collective_seconds(rank: int, world: int, sizes: list[int], repeats: int) -> dict[str, list[float]]:
+    """Median seconds of a gloo all-reduce, all-gather and reduce-scatter of each size (the whole
+    buffer: the all-gather's output, the reduce-scatter's input) between the ranks, by op."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    def run(op, full, shard):
+        if op == "all_reduce":
+            dist.all_reduce(full)
+        elif op == "all_gather":
+            dist.all_gather_single(full, shard)
+        else:
+            dist.reduce_scatter_single(shard, full)
+
+    out = {}
+    for op in ("all_reduce", *FACTOR_OPS):
+        out[op] = []
+        for size in sizes:
+            full, shard = torch.ones(size // 4), torch.ones(size // 4 // world)
+            run(op, full, shard)
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                run(op, full, shard)
+                times.append(time.perf_counter() - t0)
+            out[op].append(statistics.median(times))
+    return out
+
+
+class Loopback(NamedTuple):
+    """gloo between two processes of this machine, as measure_loopback measured it."""
+
+    bandwidth: float  # bytes/s per direction
+    latency_s: float  # a ring step
+    factors: dict  # Device.collective_factors
+
+
+def measure_loopback(repeats: int = 20) -> Loopback:
+    """gloo between two processes of this machine: all-reduces of 4 KiB to 16 MiB, a least-squares line
+    (a two-rank all-reduce takes B / bandwidth + 2 latency, as metrics/steptime.py's ring has it with
+    n = 2); then all-gathers and reduce-scatters of the same sizes, each op's time over the ring model's
+    on that link (the median over the sizes of 1 MiB and more, where bandwidth decides). A few seconds."""
+    import numpy as np
+
+    from .local_group import run_ranks
+    from .metrics.comm import Collective
+    from .metrics.steptime import Link, collective_seconds
+
+    seconds = run_ranks(2, _collective_seconds, LINK_SIZES, repeats)[0]
+    slope, intercept = np.polyfit(np.array(LINK_SIZES, dtype=float), np.array(seconds["all_reduce"]), 1)
+    link = Link(float(1.0 / slope), float(max(intercept, 0.0) / 2))
+    factors = {op: float(np.median([t / collective_seconds(Collective(op, size, 2), link)
+                                    for size, t in zip(LINK_SIZES, seconds[op]) if size >= 2**20]))
+               for op in FACTOR_OPS}
+    return Loopback(link.bandwidth, link.latency_s, factors)
+
+
+def cpu_workers(base: Device, link: tuple[float, float], workers: int, threads_per_worker: int = 1,
+                background_cores: float = 0.0) -> Device:
+    """`base` (this machine, `cpu()`, its peak that of `threads_per_worker` threads) with the loopback
+    `link` measured, for `workers` processes: beyond the cores left to them (its cores less the
+    `background_cores` its other processes keep busy) they share them, each computing at
+    (cores - background) / (workers x threads) of its peak."""
+    cores = max((os.cpu_count() or 1) - background_cores, 0.1)
+    share = min(1.0, cores / (workers * threads_per_worker))
+    bandwidth, latency = link[0], link[1]
+    return replace(base, peak_tflops={k: v * share for k, v in base.peak_tflops.items()}, intra_node_bw=bandwidth,
+                   inter_node_bw=bandwidth, intra_node_latency_s=latency, inter_node_latency_s=latency,
+                   gpus_per_node=max(workers, 1), collective_factors=dict(getattr(link, "factors", {})),
+                   sources={**base.sources, "intra_node_bw": "measured here: gloo all-reduces between two processes",
+                            "intra_node_latency_s": "measured here, as intra_node_bw",
+                            "collective_factors": "measured here: gloo's all-gathers and reduce-scatters"})
+
+
 def measured_achievable() -> dict[str, dict]:
     """{device: {'achievable': fraction, 'source': ...}} as benchmarks/gpu_check.py wrote it, or {}."""
+    return _entries(ACHIEVABLE_FILE)
+
+
+def fitted_achievable() -> dict[str, dict]:
+    """{device: {'achievable': fraction, 'source': ...}} as benchmarks/published.py fitted it, or {}."""
+    return _entries(FITTED_FILE)
+
+
+def _entries(path: Path) -> dict[str, dict]:
     try:
-        return json.loads(ACHIEVABLE_FILE.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def record_fitted(entries: dict[str, dict]) -> Path:
+    """Write the fractions fitted to published runs (benchmarks/published.py), replacing the file."""
+    FITTED_FILE.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    return FITTED_FILE
 
 
 #: torch.cuda.get_device_name -> the catalogue's name, the more specific first
@@ -184,7 +295,7 @@ def device(name: str, overrides: dict[str, str] | None = None, gpus_per_node: in
         d = cpu()
     elif name in CATALOGUE:
         d = CATALOGUE[name]
-        measured = measured_achievable().get(name)
+        measured = measured_achievable().get(name) or fitted_achievable().get(name)
         if measured:
             d = replace(d, achievable=float(measured["achievable"]),
                         sources={**d.sources, "achievable": measured.get("source", str(ACHIEVABLE_FILE))})
@@ -209,6 +320,72 @@ def device(name: str, overrides: dict[str, str] | None = None, gpus_per_node: in
         changes["gpus_per_node"] = gpus_per_node
         sources["gpus_per_node"] = "given on the command line"
     return replace(d, **changes, sources=sources)
+
+
+@dataclass(frozen=True)
+class Instance:
+    """A cloud machine type a cluster file's node type names (`InstanceType` on AWS, `machineType` on
+    GCP): which accelerators it holds, its network and its price. The network is the node's, shared by
+    its accelerators; the catalogue's device figures assume NVIDIA's DGX nodes, and cloud nodes often
+    have less."""
+
+    name: str
+    device: str  # the catalogue's name of its accelerator
+    gpus: int
+    network_gbps: float  # the node's network adapters together, Gb/s
+    usd_per_hour: float  # the whole node, on demand
+    source: str
+
+    @property
+    def usd_per_gpu_hour(self) -> float:
+        return self.usd_per_hour / self.gpus
+
+
+_AWS = ("AWS EC2 on-demand list price, us-east-1, 2024 (AWS lowered P4 and P5 prices in 2025, and spot "
+        "capacity costs less: give yours with --price); GPUs and network from the instance type's page")
+_GCP = "Google Cloud on-demand list price, us-central1, 2024 (give yours with --price); GPUs and network from its page"
+INSTANCES: dict[str, Instance] = {i.name: i for i in [
+    Instance("p3.16xlarge", "v100-16gb", 8, 25, 24.48, _AWS),
+    Instance("p3dn.24xlarge", "v100-32gb", 8, 100, 31.212, _AWS),
+    Instance("p4d.24xlarge", "a100-40gb", 8, 400, 32.7726, _AWS),
+    Instance("p4de.24xlarge", "a100-80gb", 8, 400, 40.9657, _AWS),
+    Instance("p5.48xlarge", "h100-sxm", 8, 3200, 98.32, _AWS),
+    Instance("a2-highgpu-8g", "a100-40gb", 8, 100, 29.387, _GCP),
+]}
+
+
+def instance_device(instance: Instance, overrides: dict[str, str] | None = None) -> Device:
+    """The device of one accelerator of `instance`: the catalogue's chip in the instance's node (its GPU
+    count, its network shared by them), then `overrides` as --set-device gives them."""
+    node = {"gpus_per_node": str(instance.gpus), "inter_node_bw": str(instance.network_gbps / 8 / instance.gpus)}
+    d = device(instance.device, {**node, **(overrides or {})})
+    sources = dict(d.sources)
+    for key in node:
+        if key not in (overrides or {}):
+            sources[key] = (f"{instance.name}: {instance.gpus} GPUs and {instance.network_gbps:g} Gb/s of network "
+                            "per node, shared by its GPUs")
+    return replace(d, sources=sources)
+
+
+def cluster_device(path: str, overrides: dict[str, str] | None = None):
+    """(device, USD per GPU-hour, clusters.GpuNodes) of a cluster file's GPU machine type."""
+    from .clusters import gpu_nodes
+
+    nodes = gpu_nodes(path)
+    if nodes.instance is None:
+        raise UserError(f"--cluster {path}: node type {nodes.node_type} does not name its machine (a KubeRay group's "
+                        "pods do not), so its GPU and price are unknown.\n  fix: --device NAME (one of "
+                        f"{', '.join(CATALOGUE)}) --gpus-per-node {nodes.gpus_per_node} --price USD_PER_GPU_HOUR")
+    instance = INSTANCES.get(nodes.instance)
+    if instance is None:
+        raise UserError(f"--cluster {path}: machine type {nodes.instance!r} (node type {nodes.node_type}) is not one "
+                        f"raytrain-par knows ({', '.join(INSTANCES)}).\n  fix: --device NAME --gpus-per-node "
+                        f"{nodes.gpus_per_node} --set-device inter_node_bw=GB_PER_S --price USD_PER_GPU_HOUR")
+    if instance.gpus != nodes.gpus_per_node:
+        raise UserError(f"--cluster {path}: node type {nodes.node_type} declares {nodes.gpus_per_node} GPUs, and a "
+                        f"{instance.name} has {instance.gpus}.\n  fix: resources: {{GPU: {instance.gpus}}} in "
+                        f"available_node_types.{nodes.node_type}")
+    return instance_device(instance, overrides), instance.usd_per_gpu_hour, nodes
 
 
 def field_names() -> list[str]:

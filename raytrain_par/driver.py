@@ -113,7 +113,9 @@ def start_local_cluster(num_cpus: int, env: dict[str, str]) -> None:
     variable and a constant Ray reads at start) uses the loopback address instead; it is switched
     on only while the cluster starts, so that its processes inherit it and nothing else does.
     The dashboard, which serves the state API Ray Train cleans up stopped runs with, listens on
-    127.0.0.1 as well.
+    127.0.0.1 as well. Not Ray's own: while a run trains, its rank-0 worker's torch.distributed store
+    (torch's TCPStore, started by the env:// rendezvous Ray Train uses) listens on every interface;
+    torch gives that rendezvous no address to bind.
 
     Ray Train's placement-group cleaner asks that state API without an address, so with a second
     Ray cluster on the machine it would find the wrong one (or none) and print a traceback. The

@@ -258,28 +258,47 @@ def _memory(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterable
 
 def step_time(s: config.ExperimentSpec, device):
     """One step of `s` on `device` (metrics/steptime.py): the layout's collectives as our engines run
-    them, costed on the device's links, its FLOPs at the device's achievable rate. Raises
-    NotImplementedError where no prediction is written (PipeDream's asynchronous schedule)."""
-    from .metrics import flops
-    from .metrics.steptime import step_time as predict
-    from .strategies.zero import ZeroEngine, deepspeed_config, merged
+    them, costed on the device's links, its FLOPs at the device's achievable rate."""
+    return StepParts.of(s).on(device)
 
-    info = data.shape_of(s.data)
-    model, _ = models.build_on_meta(s.model, info)
-    options = s.strategy.options
-    cls = strategies.engine_class(s.strategy.name, options)
-    layout = s.layout
-    if layout.schedule == "pipedream":
-        raise NotImplementedError("PipeDream's asynchronous schedule has no step-time prediction yet")
-    zero = None
-    if issubclass(cls, ZeroEngine):
-        zero = merged(deepspeed_config(int(layout.sharding[-1]), options, s.train, s.train.global_batch_size,
-                                       layout.data, models.parameter_count(model), "cuda"),
-                      getattr(options, "deepspeed", None) or {})["zero_optimization"]
-    total = flops.model_flops_per_step(s.model, info, s.train.global_batch_size)
-    return predict(layout, model, collective_step(s), total, device, s.train.precision,
-                   recompute=s.train.activation_checkpointing != "none", zero=zero,
-                   split_points=getattr(options, "split_points", None), balance=getattr(options, "balance", "flops"))
+
+@dataclass
+class StepParts:
+    """What a step's prediction is made of before a device costs it: each pipeline rank's collectives
+    (seconds to derive for a model of many ranks) and the FLOPs; `on(device)` is cheap."""
+
+    spec: config.ExperimentSpec
+    by_rank: list
+    flops: float
+    recomputed: float = 0.0  # FLOPs activation checkpointing runs again (metrics/flops.py counts them)
+
+    @classmethod
+    def of(cls, s: config.ExperimentSpec) -> "StepParts":
+        from .metrics import flops
+        from .metrics.steptime import rank_collectives
+        from .strategies.zero import ZeroEngine, deepspeed_config, merged
+
+        info = data.shape_of(s.data)
+        model, _ = models.build_on_meta(s.model, info)
+        options = s.strategy.options
+        engine = strategies.engine_class(s.strategy.name, options)
+        layout = s.layout
+        zero = None
+        if issubclass(engine, ZeroEngine):
+            zero = merged(deepspeed_config(int(layout.sharding[-1]), options, s.train, s.train.global_batch_size,
+                                           layout.data, models.parameter_count(model), "cuda"),
+                          getattr(options, "deepspeed", None) or {})["zero_optimization"]
+        total = flops.model_flops_per_step(s.model, info, s.train.global_batch_size)
+        by_rank = rank_collectives(layout, model, collective_step(s), zero, getattr(options, "split_points", None),
+                                   getattr(options, "balance", "flops"))
+        recomputed = flops.recomputed_flops_per_sample(s.model, info, s.train.activation_checkpointing)
+        return cls(s, by_rank, total, recomputed * s.train.global_batch_size)
+
+    def on(self, device):
+        from .metrics.steptime import timed
+
+        s = self.spec
+        return timed(s.layout, self.by_rank, self.flops, device, s.train.precision, self.recomputed)
 
 
 def collective_step(s: config.ExperimentSpec):
@@ -302,11 +321,7 @@ def collective_step(s: config.ExperimentSpec):
 
 
 def _add_speed(r: Row, device) -> None:
-    try:
-        r.speed = step_time(r.spec, device)
-    except NotImplementedError as e:
-        r.remark = "; ".join(x for x in (r.remark, f"no step time: {e}") if x)
-        return
+    r.speed = step_time(r.spec, device)
     info = data.shape_of(r.spec.data)
     r.tokens_per_row = info.seq_len if info.kind == "text" else 1
 
@@ -329,6 +344,116 @@ def rows_that_fit(spec: config.ExperimentSpec, device_memory: int) -> int | None
     return max(1, int(free // (row.activations / micro)))
 
 
+# -- time and cost to the target ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ToTarget:
+    """What `estimate --records DIR` adds: the steps to the experiment's target at its global batch, from a
+    reference run's noise scale (metrics/goodput.py: S = S_min (1 + B_noise / M)), and the price of a GPU-hour."""
+
+    reference: object  # metrics.goodput.Reference
+    source: str  # the records it was fitted from
+    usd_per_gpu_hour: float | None = None
+
+
+def reference_records(path: str) -> tuple[list[dict], str]:
+    """The records of one run: DIR/metrics.parquet, or a plan's reference (DIR/plan/reference/)."""
+    from pathlib import Path
+
+    from .metrics.records import read_records
+
+    root = Path(path)
+    for candidate in (root / "metrics.parquet", root / "plan" / "reference" / "metrics.parquet"):
+        if candidate.is_file():
+            try:
+                return read_records(candidate), str(candidate)
+            except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+                raise UserError(f"--records {path}: {candidate} is not a records file raytrain-par can read "
+                                f"({type(e).__name__}: {e}).\n  fix: give the directory of a finished run") from None
+    raise UserError(f"--records {path}: no metrics.parquet there, nor a plan's reference under plan/reference/.\n"
+                    "  fix: give the directory of a run that reached the target (results/<experiment>, written by "
+                    "`raytrain-par run`) or of a plan (`raytrain-par plan` writes its reference there)")
+
+
+def to_target(spec: config.ExperimentSpec, path: str, usd_per_gpu_hour: float | None = None) -> ToTarget:
+    """Fit the reference (S_min, B_noise) to the records under `path`, after checking that they are one
+    run of this experiment's model and data, measured the noise scale and reached `spec.target`."""
+    from .metrics import flops
+    from .metrics.goodput import fit_reference
+
+    if spec.target is None:
+        raise UserError(f"--records {path}: {spec.name} has no target to predict the time to.\n  fix: add "
+                        "`target: {metric: val_loss, value: 4.5}` (or val_perplexity, val_accuracy) to the experiment")
+    records, source = reference_records(path)
+    trials = sorted({str(r.get("trial")) for r in records})
+    if len(trials) > 1:
+        raise UserError(f"--records {path}: {source} holds {len(trials)} runs ({', '.join(trials[:4])}"
+                        f"{', ...' if len(trials) > 4 else ''}).\n  fix: give one run's directory")
+    metric = spec.target.metric
+    if not any(r.get(metric) is not None for r in records):
+        raise UserError(f"--records {path}: no {metric} in {source} (the target's metric).\n  fix: records of a "
+                        "run that evaluates it (train.eval_every), or a target on a metric it has")
+    info = data.shape_of(spec.data)
+    mine = flops.model_flops_per_step(spec.model, info, 1)
+    theirs = [r["model_flops_per_step"] / r["global_batch_size"] for r in records
+              if r.get("model_flops_per_step") and r.get("global_batch_size")]
+    if theirs and abs(theirs[-1] / mine - 1) > 0.01:
+        raise UserError(f"--records {path}: those records are of another model or sequence length "
+                        f"({theirs[-1]:.4g} FLOPs per sample; {spec.name}'s {spec.model.name} on {spec.data.name} "
+                        f"takes {mine:.4g}).\n  fix: records of a run of this experiment's model and data")
+    if not any(r.get("grad_noise_scale") for r in records):
+        last = records[-1]
+        raise UserError(f"--records {path}: the run did not measure the gradient noise scale ({last.get('strategy')} "
+                        f"on {last.get('num_workers')} worker(s)), which the steps at other batches come from.\n  fix: "
+                        "records of a run with two data-parallel replicas or more (ddp, fsdp, zero-1/2/3; not "
+                        "pipedream, nor fp16), e.g. `raytrain-par run X.yaml --set scaling.num_workers=2`, or a "
+                        "`raytrain-par plan` directory")
+    try:
+        reference = fit_reference(records, metric, spec.target.value, spec.target.mode)
+    except ValueError as e:
+        raise UserError(f"--records {path}: {e}.\n  fix: records of a run that measured it every evaluation") from None
+    if reference is None:
+        best = [r[metric] for r in records if r.get(metric) is not None]
+        raise UserError(f"--records {path}: the run never reached {spec.target} (best {metric} "
+                        f"{(max if spec.target.mode == 'max' else min)(best):.4g} in {records[-1]['step']} steps).\n"
+                        "  fix: records of a run trained to the target (raise train.max_steps), or an easier target")
+    return ToTarget(reference, source, usd_per_gpu_hour)
+
+
+#: why an asynchronous pipeline's row has no time to the target
+STALE = ("PipeDream's stale weights change the steps to the target (the study's finding), which a synchronous "
+         "reference's noise scale does not predict")
+
+
+def target_document(r: Row, target: ToTarget | None) -> dict:
+    """The time-to-target columns of a row: the steps at the row's global batch, times its predicted step."""
+    keys = ("steps_to_target", "time_to_target_s", "gpu_hours_to_target", "cost_to_target_usd")
+    if target is None or r.note or r.speed is None or r.spec.layout.asynchronous:
+        return dict.fromkeys(keys) if target is not None else {}
+    steps = target.reference.steps_to_target(r.spec.train.global_batch_size)
+    seconds = steps * r.speed.step_s
+    gpu_hours = seconds * r.workers / 3600
+    price = target.usd_per_gpu_hour
+    return dict(zip(keys, (steps, seconds, gpu_hours, None if price is None else gpu_hours * price)))
+
+
+def best_to_target(rows: list[Row], device_memory: int | None, target: ToTarget) -> str:
+    """The layouts that fit and reach the target soonest and, priced, cheapest."""
+    known = [(r, t) for r in rows if not r.note and (device_memory is None or r.device_bytes <= device_memory)
+             and (t := target_document(r, target))["time_to_target_s"] is not None]
+    if not known:
+        return "no layout that fits has a predicted time to the target"
+
+    def what(r: Row, t: dict) -> str:
+        cost = "" if t["cost_to_target_usd"] is None else f", {usd_text(t['cost_to_target_usd'])}"
+        return f"{r.strategy} on {r.workers} GPU(s) ({duration_text(t['time_to_target_s'])}{cost})"
+
+    lines = ["soonest to the target: " + what(*min(known, key=lambda rt: rt[1]["time_to_target_s"]))]
+    if target.usd_per_gpu_hour is not None:
+        lines.append("cheapest to the target: " + what(*min(known, key=lambda rt: rt[1]["cost_to_target_usd"])))
+    return "\n".join(lines)
+
+
 # Settings a strategy may refuse that change nothing it holds in memory: a row is estimated with the
 # default instead, and says so (pipedream clips no gradient, but would hold the same bytes).
 MEMORY_NEUTRAL = ("train.grad_clip",)
@@ -348,7 +473,7 @@ def _parse_for_memory(raw: dict, remarks: list[str]) -> config.ExperimentSpec:
     return config.parse(raw)
 
 
-def row_document(r: Row, device_memory: int | None, device=None) -> dict:
+def row_document(r: Row, device_memory: int | None, device=None, target: ToTarget | None = None) -> dict:
     """One row of `estimate --json`: bytes per worker and, on a device, the step's time, or why the layout
     cannot exist (`note`)."""
     possible = not r.note
@@ -361,6 +486,7 @@ def row_document(r: Row, device_memory: int | None, device=None) -> dict:
                "fits": None if device_memory is None else r.device_bytes <= device_memory} if possible else {})}
     if possible and device is not None:
         doc.update(speed_document(r, device))
+    doc.update(target_document(r, target))
     return doc
 
 
@@ -380,7 +506,7 @@ def speed_document(r: Row, device) -> dict:
             "comm_bytes_per_step": t.bytes_per_step}
 
 
-def table(rows: list[Row], device_memory: int | None, device=None) -> str:
+def table(rows: list[Row], device_memory: int | None, device=None, target: ToTarget | None = None) -> str:
     """Model states ("theory": the textbook bytes; "expected": what the implementation holds), the part
     of them in host memory (offload), activations, gathered whole units, and their device total; on a
     device, the step's time, split into computation, exposed communication and bubble, and what it
@@ -389,12 +515,16 @@ def table(rows: list[Row], device_memory: int | None, device=None) -> str:
             "per worker", "B/param", "fits"]
     if device is not None:
         head += ["step (s)", "compute", "comm", "bubble", "tokens/s", "TFLOP/s/GPU", "MFU"]
+        if target is not None:
+            head += ["to target"] + (["cost"] if target.usd_per_gpu_hour is not None else [])
     out, notes = [], []
     for r in rows:
         if r.note or r.remark:
             notes.append(f"{r.strategy} on {r.workers} worker(s): {r.note or r.remark}")
         if r.note:
             continue
+        if device is not None and target is not None and r.spec.layout.asynchronous:
+            notes.append(f"{r.strategy} on {r.workers} worker(s): no time to the target: {STALE}")
         fits = "-" if device_memory is None else ("yes" if r.device_bytes <= device_memory else "NO")
         out.append([r.strategy, str(r.workers), size_text(r.theory), size_text(r.expected),
                     size_text(r.offloaded) if r.offloaded else "-", size_text(r.activations),
@@ -406,4 +536,21 @@ def table(rows: list[Row], device_memory: int | None, device=None) -> str:
                         [f"{d['step_time_s']:.3g}", f"{d['compute_s']:.3g}", f"{d['exposed_comm_s']:.3g}",
                          f"{d['bubble_s']:.3g}", f"{d['tokens_per_s']:.4g}", f"{d['tflops_per_gpu']:.3g}",
                          f"{d['mfu']:.1%}"])
+            if target is not None:
+                t = target_document(r, target)
+                out[-1].append("-" if t["time_to_target_s"] is None else duration_text(t["time_to_target_s"]))
+                if target.usd_per_gpu_hour is not None:
+                    out[-1].append("-" if t["cost_to_target_usd"] is None else usd_text(t["cost_to_target_usd"]))
     return "\n".join([text_table(head, out), *notes])
+
+
+def duration_text(seconds: float) -> str:
+    """A duration as people read one: 42 s, 12.5 min, 3.2 h, 4.1 d."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def usd_text(usd: float) -> str:
+    return f"${usd:,.0f}" if usd >= 100 else f"${usd:.3g}"

@@ -71,6 +71,8 @@ class GoodputPlan:
     notes: list[str] = field(default_factory=list)
     path: Path | None = None
     seconds: float = 0.0  # the plan's own time, start-up included
+    achievable: dict[str, float] = field(default_factory=dict)  # by strategy: Calibrated's, with --probe-workers
+    background_cores: float | None = None  # Calibrated's: cores the machine's other processes kept busy
 
 
 def strategy_key(spec: ExperimentSpec) -> str:
@@ -115,7 +117,7 @@ class _StepTimes(ray.train.UserCallback):
     def after_report(self, run_context, metrics, checkpoint):
         if metrics and metrics[0]:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(metrics[0]["step_times"]))
+            self.path.write_text(json.dumps({k: metrics[0][k] for k in ("step_times", "background_cores")}))
 
 
 def probe_points(p: Plan, specs: list[ExperimentSpec]) -> dict[tuple, dict[str, ExperimentSpec]]:
@@ -141,8 +143,9 @@ def probe_points(p: Plan, specs: list[ExperimentSpec]) -> dict[tuple, dict[str, 
     return runs
 
 
-def _probe(specs: dict[str, ExperimentSpec], storage: Path, log) -> dict[str, float]:
-    """One Ray Train run on these probes' workers timing each of them; seconds per step by name."""
+def _probe(specs: dict[str, ExperimentSpec], storage: Path, log) -> tuple[dict[str, float], dict[str, float]]:
+    """One Ray Train run on these probes' workers timing each of them: seconds per step by name, and the
+    cores the machine's other processes kept busy meanwhile (worker.time_steps)."""
     import pyarrow.dataset as pds
     import ray.data
     from ray.train import DataConfig
@@ -162,24 +165,75 @@ def _probe(specs: dict[str, ExperimentSpec], storage: Path, log) -> dict[str, fl
     t0 = time.perf_counter()
     trainer.fit()
     log(f"probed {', '.join(specs)} in {time.perf_counter() - t0:.0f} s")
-    return json.loads(out.read_text())
+    measured = json.loads(out.read_text())
+    return measured["step_times"], measured["background_cores"]
+
+
+class Calibrated:
+    """Step times at worker counts no probe ran: `raytrain-par estimate`'s model of the step (metrics/
+    steptime.py: the layout's collectives on the device's links, its FLOPs at the device's peak), with the
+    achievable fraction of each strategy measured by its probes, as the one figure a device's catalogue
+    entry allows fitting. A probe's step, m = (compute + bubble) / a + exposed communication at a = 1, gives
+    a; a strategy's is the median over its probes.
+
+    On this machine's CPU (`device` None) the device is `devices.cpu()` with the loopback link measured and
+    the cores shared once the workers outnumber the cores the machine's other processes leave them
+    (`background_cores`, as the probes measured it: devices.cpu_workers)."""
+
+    def __init__(self, probes: list[tuple[ExperimentSpec, float]], device=None, background_cores: float = 0.0):
+        from . import devices
+
+        self.base, self.link, self.background_cores = device, None, background_cores
+        if device is None:
+            self.base, self.link = devices.cpu(), devices.measure_loopback()
+        fractions: dict[str, list[float]] = {}
+        for s, measured in probes:
+            t = estimate.step_time(s, self._device(s, 1.0))
+            if measured > t.exposed_comm_s:
+                busy = measured - t.exposed_comm_s
+                fractions.setdefault(strategy_key(s), []).append((t.compute_s + t.bubble_s) / busy)
+        self.achievable = {k: statistics.median(v) for k, v in fractions.items()}
+
+    def _device(self, s: ExperimentSpec, achievable: float):
+        from . import devices
+
+        d = self.base
+        if self.link is not None:
+            d = devices.cpu_workers(d, self.link, s.scaling.num_workers, max(1, int(s.scaling.cpus_per_worker)),
+                                    self.background_cores)
+        return replace(d, achievable=achievable)
+
+    def step_time(self, s: ExperimentSpec) -> float:
+        key = strategy_key(s)
+        if key not in self.achievable:
+            raise KeyError(f"no probe of {s.strategy.name} measured its achievable fraction")
+        return estimate.step_time(s, self._device(s, self.achievable[key])).step_s
 
 
 def predict(p: Plan, reference: Reference, model: ThroughputModel, device_memory: int | None = None,
-            probed: dict[tuple, float] | None = None) -> list[dict]:
+            probed: dict[tuple, float] | None = None, calibrated: Calibrated | None = None) -> list[dict]:
     """One row per point: steps, step time and time to the target, efficiency, memory; fastest first
     (points that do not fit in `device_memory` last). `probed`: measured seconds per step by
-    (strategy key, workers, per-worker batch, accumulation), taken over the model's where given."""
+    (strategy key, workers, per-worker batch, accumulation), taken over the model's where given.
+    `calibrated`: the step's model, for the worker counts no probe ran (instead of `model`'s fit)."""
     probed = probed or {}
+    probed_counts = {(k[0], k[1]) for k in probed}
     rows = []
     for point in p.points:
         s = p.trial_spec(point)  # with the sweep's lr_scaling, as the trial will run
         m = s.train.global_batch_size
         at = (strategy_key(s), s.scaling.num_workers, s.per_worker_batch, s.train.gradient_accumulation_steps)
+        modelled = calibrated is not None and at[:2] not in probed_counts
 
-        def seconds(shape: adaptive.Shape, s=s) -> float:
+        def seconds(shape: adaptive.Shape, s=s, modelled=modelled) -> float:
             key = (strategy_key(s), s.scaling.num_workers, shape.batch // s.layout.data, shape.accumulation)
-            return probed[key] if key in probed else model.step_time(*key)
+            if key in probed:
+                return probed[key]
+            if modelled:
+                return calibrated.step_time(replace(s, train=replace(
+                    s.train, global_batch_size=shape.batch, gradient_accumulation_steps=shape.accumulation,
+                    adaptive_batch=None)))
+            return model.step_time(*key)
 
         batches = None
         if s.train.adaptive_batch is None:
@@ -200,7 +254,11 @@ def predict(p: Plan, reference: Reference, model: ThroughputModel, device_memory
             "predicted_batches": None if batches is None else " -> ".join(
                 str(b) for b in dict.fromkeys(b for _, b in batches)),
             "step_time_probed": at in probed and batches is None,
+            "step_time_from": "probed" if at in probed and batches is None else ("model" if modelled else "fitted"),
             "memory_per_worker_bytes": memory,
+            # the names `estimate --json` gives the same figures
+            "workers": s.scaling.num_workers, "step_time_s": step_time, "time_to_target_s": steps * step_time,
+            "mem_per_worker_bytes": memory,
             "fits": None if device_memory is None or memory is None else memory <= device_memory,
             "grad_noise_scale": reference.noise_scale, "reference_batch": reference.batch,
             "reference_steps_to_target": reference.steps,
@@ -261,60 +319,197 @@ def _memory_of(experiment: str) -> float | None:
     return rows[0].device_bytes if rows and not rows[0].note else None
 
 
+def probed_only(specs: list[ExperimentSpec], probe_workers: list[int] | None) -> list[ExperimentSpec]:
+    """The points to probe: all, or those at the worker counts `probe_workers` names, which must hold a
+    point of every strategy (its probes measure what the model of the others is calibrated with)."""
+    if probe_workers is None:
+        return specs
+    counts = sorted({s.scaling.num_workers for s in specs})
+    missing = [w for w in probe_workers if w not in counts]
+    if missing:
+        raise ConfigError("--probe-workers", ",".join(map(str, probe_workers)), f"the sweep has no point on "
+                          f"{missing[0]} worker(s) (its worker counts: {', '.join(map(str, counts))})",
+                          f"probe some of {', '.join(map(str, counts))}")
+    chosen = [s for s in specs if s.scaling.num_workers in probe_workers]
+    for s in specs:
+        if strategy_key(s) not in {strategy_key(c) for c in chosen}:
+            raise ConfigError("--probe-workers", ",".join(map(str, probe_workers)), f"no point of {s.strategy.name} "
+                              "is on those worker counts, and its probes calibrate its other counts",
+                              f"add a count {s.strategy.name} runs on (e.g. {s.scaling.num_workers})")
+    return chosen
+
+
+def lr_notes(p: Plan) -> list[str]:
+    """What a plan notes about the sweep's learning rates."""
+    if p.sweep.lr_scaling != "none":
+        return []
+    return ["sweep.lr_scaling is none: every batch trains with the file's lr, and the prediction assumes one that "
+            "suits each batch (set lr_scaling: sqrt or linear)"]
+
+
+def run_reference(spec: ExperimentSpec, p: Plan, ref: ExperimentSpec, log) -> Reference:
+    """Train the reference (`reference_spec`) to the target on the cluster already joined; its S_min and B_noise."""
+    log(f"{spec.name}: reference run ({ref.strategy.name}, {ref.scaling.num_workers} workers, global batch "
+        f"{ref.train.global_batch_size}) to {spec.target}")
+    result = run_experiment(ref, log=lambda *_: None)
+    if result.error is not None:
+        raise UserError(f"the reference run failed: {result.error}")
+    reference = fit_reference(result.records, p.metric, p.target, p.mode)
+    if reference is None:
+        raise UserError(f"the reference run did not reach {spec.target} in {result.records[-1]['step']} steps "
+                        f"(records in {result.results_dir}).\n  fix: raise train.max_steps (or train.epochs), "
+                        "or set an easier target")
+    log(f"reference: target reached after {reference.steps:.1f} steps at batch {reference.batch}; gradient noise "
+        f"scale {reference.noise_scale:.1f} rows, S_min {reference.min_steps:.1f} steps")
+    return reference
+
+
+class OnDevice:
+    """Every point's step from `raytrain-par estimate`'s model on a device nothing here ran on (its catalogue
+    figures, the achievable fraction included): what `plan --cluster` ranks by."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def step_time(self, s: ExperimentSpec) -> float:
+        return estimate.step_time(s, self.device).step_s
+
+
+def worker_counts(text: str) -> list[int]:
+    """--workers: '8,16,64', or '8..256' for the powers of two from 8 to 256."""
+    lo, dots, hi = text.partition("..")
+    try:
+        if dots:
+            first, last = int(lo), int(hi)
+            counts = [first * 2**k for k in range(64) if first * 2**k <= last] if 0 < first <= last else []
+        else:
+            counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise UserError(f"--workers {text!r}: expected positive worker counts, e.g. 8,16,64, or 8..256 (the powers of "
+                        "two from 8 to 256).\n  fix: e.g. --workers 8..256")
+    return sorted(set(counts))
+
+
+def cluster_plan(spec: ExperimentSpec, device, nodes=None, usd_per_gpu_hour: float | None = None,
+                 workers: list[int] | None = None, records: str | None = None, address: str | None = None,
+                 log=say) -> GoodputPlan:
+    """Every point of the sweep (its worker counts replaced by `workers`) on `device`, nothing probed: the step
+    from the step-time model on the device, the steps from a reference (`records`: an earlier run's, else one
+    trained now on the plan's Ray cluster), the cost at `usd_per_gpu_hour`. A point that cannot exist (a batch
+    that does not split, more GPUs than `nodes` holds) or whose steps the reference does not predict
+    (PipeDream's) is a row saying why, ranked last."""
+    t0 = time.perf_counter()
+    p = sweep_plan(spec)
+    check_goodput(p, "raytrain-par plan")
+    points = p.points
+    if workers is not None:
+        kept = list(dict.fromkeys(json.dumps({k: v for k, v in pt.items() if k != "scaling.num_workers"},
+                                             sort_keys=True) for pt in p.points))
+        points = [{"scaling.num_workers": w, **json.loads(k)} for k in kept for w in workers]
+    possible, impossible = [], []
+    for pt in points:
+        why, w = None, pt.get("scaling.num_workers", p.base["scaling"]["num_workers"])
+        if nodes is not None and isinstance(w, int) and nodes.too_small_for(w):
+            why = nodes.too_small_for(w)
+        else:
+            try:
+                if p.trial_spec(pt).layout.asynchronous:
+                    why = estimate.STALE
+            except ConfigError as e:
+                why = f"{e.field} ({e.problem})"
+        if why:
+            impossible.append({"trial": describe(pt), "overrides": json.dumps(pt), "possible": False,
+                               "note": f"not possible: {why}"})
+        else:
+            possible.append(pt)
+    notes = lr_notes(p)
+    if records is not None:
+        target = estimate.to_target(spec, records)
+        reference = target.reference
+        log(f"reference {target.source}: {spec.target} after {reference.steps:.1f} steps at batch {reference.batch}; "
+            f"gradient noise scale {reference.noise_scale:.1f}")
+    else:
+        ref, note = reference_spec(spec)
+        notes += [note] if note else []
+        preflight(ref, address, log)
+        with ray_cluster(ref, address, log=log):
+            reference = run_reference(spec, p, ref, log)
+    for n in notes:
+        log(f"note: {n}")
+    rows = predict(replace(p, points=possible), reference, ThroughputModel({}), int(device.memory_bytes),
+                   calibrated=OnDevice(device))
+    for r in rows:
+        r["possible"], r["note"] = True, None
+        r["predicted_cost_usd"] = None if usd_per_gpu_hour is None else (
+            r["predicted_time_to_target_s"] * r["num_workers"] / 3600 * usd_per_gpu_hour)
+    rows += impossible
+    path = write_table(spec.results_dir / "plan.parquet", rows)
+    return GoodputPlan(rows, reference, ThroughputModel({}), notes, path, time.perf_counter() - t0)
+
+
 def make_plan(spec: ExperimentSpec, address: str | None = None, device_memory: int | None = None,
-              log=say) -> GoodputPlan:
-    """Reference run, probes, predictions; writes plan.parquet."""
+              log=say, probe_workers: list[int] | None = None) -> GoodputPlan:
+    """Reference run, probes, predictions; writes plan.parquet. `probe_workers`: probe only those worker
+    counts, and predict the others' steps with the model calibrated on them (Calibrated)."""
     t0 = time.perf_counter()
     p = sweep_plan(spec)
     check_goodput(p, "raytrain-par plan")
     ref, note = reference_spec(spec)
     specs = [p.trial_spec(pt) for pt in p.points]
+    to_probe = probed_only(specs, probe_workers)
+    if probe_workers is not None and any(s.scaling.use_gpu for s in specs):
+        raise ConfigError("--probe-workers", ",".join(map(str, probe_workers)), "predicting unprobed worker counts "
+                          "on GPUs needs the device's links, and the plan knows this machine's only",
+                          "probe every worker count (leave --probe-workers out), or use `raytrain-par estimate "
+                          "--device NAME --records DIR`")
     preflight(spec, address, log)
-    notes = [note] if note else []
-    if p.sweep.lr_scaling == "none":
-        notes.append("sweep.lr_scaling is none: every batch trains with the file's lr, and the prediction assumes "
-                     "one that suits each batch (set lr_scaling: sqrt or linear)")
+    notes = ([note] if note else []) + lr_notes(p)
     for n in notes:
         log(f"note: {n}")
-    specs = [probe for s in specs for probe in adaptive_probes(s)]
+    specs = [probe for s in to_probe for probe in adaptive_probes(s)]
     biggest = max(specs + [ref], key=lambda s: s.scaling.num_workers)
     with ray_cluster(biggest, address, log=log):
-        log(f"{spec.name}: reference run ({ref.strategy.name}, {ref.scaling.num_workers} workers, global batch "
-            f"{ref.train.global_batch_size}) to {spec.target}")
-        result = run_experiment(ref, log=lambda *_: None)
-        if result.error is not None:
-            raise UserError(f"the reference run failed: {result.error}")
-        reference = fit_reference(result.records, p.metric, p.target, p.mode)
-        if reference is None:
-            raise UserError(f"the reference run did not reach {spec.target} in {result.records[-1]['step']} steps "
-                            f"(records in {result.results_dir}).\n  fix: raise train.max_steps (or train.epochs), "
-                            "or set an easier target")
-        log(f"reference: target reached after {reference.steps:.1f} steps at batch {reference.batch}; gradient noise "
-            f"scale {reference.noise_scale:.1f} rows, S_min {reference.min_steps:.1f} steps")
-        probes = []
+        reference = run_reference(spec, p, ref, log)
+        probes, measured, background = [], [], []
         for (workers, _), run in probe_points(p, specs).items():
-            times = _probe(run, spec.results_dir / "plan" / "probes", log)
+            times, busy = _probe(run, spec.results_dir / "plan" / "probes", log)
             probes += [Probe(strategy_key(s), workers, s.per_worker_batch, times[name],
                              s.train.gradient_accumulation_steps) for name, s in run.items()]
+            measured += [(s, times[name]) for name, s in run.items()]
+            background += list(busy.values())
     model = ThroughputModel.fit(probes)
-    rows = predict(p, reference, model, device_memory, {(q.strategy, q.workers, q.local_batch, q.accumulation): q.step_time_s for q in probes})
+    calibrated = None
+    if probe_workers is not None:
+        calibrated = Calibrated(measured, background_cores=statistics.median(background))
+        log("achievable fraction of the probed peak, from the probes: " + ", ".join(
+            f"{json.loads(k)['name']} {a:.2f}" for k, a in calibrated.achievable.items())
+            + f"; the machine's other processes kept {calibrated.background_cores:.2f} cores busy")
+    rows = predict(p, reference, model, device_memory,
+                   {(q.strategy, q.workers, q.local_batch, q.accumulation): q.step_time_s for q in probes}, calibrated)
     path = write_table(spec.results_dir / "plan.parquet", rows)
-    return GoodputPlan(rows, reference, model, notes, path, time.perf_counter() - t0)
+    achievable = {json.loads(k)["name"]: a for k, a in calibrated.achievable.items()} if calibrated else {}
+    return GoodputPlan(rows, reference, model, notes, path, time.perf_counter() - t0, achievable,
+                       calibrated.background_cores if calibrated else None)
 
 
 def plan_table(rows: list[dict]) -> str:
     """The ranking, for the terminal and docs."""
     def f(v, fmt):
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+    costs = any(r.get("predicted_cost_usd") is not None for r in rows)
+    rows = [r for r in rows if r.get("possible", True)]
     head = ["#", "point", "strategy", "workers", "batch", "lr", "efficiency", "steps", "s/step", "to_target_s",
-            "MiB/worker", "fits"]
+            "MiB/worker", "fits"] + (["cost_usd"] if costs else [])
     body = [[str(r["rank"]), r["trial"], r["strategy"], str(r["num_workers"]),
              r.get("predicted_batches") or str(r["global_batch_size"]),
              f(r["lr"], ".3g"), f(r["statistical_efficiency"], ".3f"), f(r["predicted_steps_to_target"], ".1f"),
-             f(r["predicted_step_time_s"], ".3f") + ("" if r["step_time_probed"] else "*"),
+             f(r["predicted_step_time_s"], ".3f") + {"probed": "", "fitted": "*", "model": "+"}[r["step_time_from"]],
              f(r["predicted_time_to_target_s"], ".1f"),
              f(None if r["memory_per_worker_bytes"] is None else r["memory_per_worker_bytes"] / 2**20, ".0f"),
-             "-" if r["fits"] is None else ("yes" if r["fits"] else "NO")] for r in rows]
+             "-" if r["fits"] is None else ("yes" if r["fits"] else "NO")]
+            + ([f(r.get("predicted_cost_usd"), ",.2f")] if costs else []) for r in rows]
     return text_table(head, body)
 
 

@@ -58,19 +58,33 @@ def _entry(rank, world, port, backend, threads, group_of_one, fn, args, queue, e
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
+    store = None
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         if world > 1 or group_of_one:
-            dist.init_process_group(backend, rank=rank, world_size=world)
+            store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         buf = io.BytesIO()  # tensors travel as bytes: a queue would share them through the child's memory
         torch.save(fn(rank, world, *args), buf)
         queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
+        if store is not None:
+            _leave(store, rank, world)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _leave(store, rank: int, world: int, wait: float = 60.0) -> None:
+    """The group's store lives in rank 0's process: rank 0 stays until every rank is through (or
+    `wait` seconds), so that a rank still making groups when rank 0 is done does not lose the store.
+    gloo's new_group returns at once on the ranks outside the group, so ranks finish at different times."""
+    store.add("run_ranks/through", 1)
+    deadline = time.monotonic() + wait
+    while rank == 0 and store.add("run_ranks/through", 0) < world and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def run_ranks(world: int, fn, *args, backend: str = "gloo", threads: int = 1, group_of_one: bool = False,

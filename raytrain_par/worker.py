@@ -583,10 +583,16 @@ def memory_train_loader(spec: ExperimentSpec, arrays: dict[str, torch.Tensor]):
 
 
 def time_steps(spec: ExperimentSpec, info: DatasetInfo, ctx: DistContext, arrays: dict[str, torch.Tensor],
-               warmup: int, steps: int) -> float:
+               warmup: int, steps: int) -> tuple[float, float]:
     """Seconds per optimizer step of `spec`'s engine, over `steps` steps after `warmup` (the engine's
     start-up and first steps, which allocate and compile, excluded): the throughput probe of
-    `raytrain-par plan`. Every worker starts and ends the timed window together."""
+    `raytrain-par plan`. Every worker starts and ends the timed window together. Also the cores the
+    machine's other processes kept busy meanwhile (Ray's own, the driver's): the machine's busy CPU
+    time less the workers' own, over the window (`background_cores`; meaningful where the workers
+    share one machine, as on a local cluster)."""
+    import psutil
+
+    me = psutil.Process()
     model, task = models.build(spec.model, info, spec.train.seed)
     engine = strategies.build_engine(spec.strategy, model, task, spec.train, ctx, warmup + steps)
     engine.measure_memory = False
@@ -597,10 +603,23 @@ def time_steps(spec: ExperimentSpec, info: DatasetInfo, ctx: DistContext, arrays
     for i, batch in enumerate(itertools.islice(batches, warmup + steps)):
         if i == warmup:  # waits for the device and for every worker
             float(engine.dp_sum(torch.zeros((), device=engine.device)))
-            t0 = time.perf_counter()
+            t0, busy0, own0 = time.perf_counter(), _machine_busy_s(), sum(me.cpu_times()[:2])
         loss = engine.train_step(batch)
     float(engine.dp_sum(loss.detach().float()))
-    return (time.perf_counter() - t0) / steps
+    wall = time.perf_counter() - t0
+    own = torch.tensor([sum(me.cpu_times()[:2]) - own0], dtype=torch.float64, device=engine.device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(own)  # every worker's own CPU seconds
+    background = max(0.0, (_machine_busy_s() - busy0 - float(own)) / wall)
+    return wall / steps, background
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds this machine's cores have been busy (every process, niced ones too)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
 # -- Ray Train entry point ---------------------------------------------------------------------
@@ -722,8 +741,9 @@ def probe_loop_per_worker(config: dict) -> None:
 
     info, ctx = _worker_context(config)
     arrays = _read_shard("train", info)
-    times = {}
+    times, background = {}, {}
     for name, experiment in config["probes"].items():
-        times[name] = time_steps(from_dict(experiment), info, ctx, arrays, config["warmup"], config["steps"])
+        times[name], background[name] = time_steps(from_dict(experiment), info, ctx, arrays, config["warmup"],
+                                                   config["steps"])
         gc.collect()  # the engine of one probe is gone before the next is built
-    ray.train.report({"step_times": times})
+    ray.train.report({"step_times": times, "background_cores": background})

@@ -284,7 +284,7 @@ def test_plan_json_keeps_stdout_for_the_document(monkeypatch, capfd):
 
     from raytrain_par import goodput
 
-    def make_plan(spec, address=None, device_memory=None):
+    def make_plan(spec, address=None, device_memory=None, probe_workers=None):
         print("reference run: training to the target")
         os.write(1, b"(TrainController pid=1) a line Ray writes\n")
         rows = [{"trial": "b16", "predicted_time_to_target_s": 12.5, "fits": None},

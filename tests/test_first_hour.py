@@ -49,7 +49,8 @@ def test_readme_commands_work_as_typed_and_the_console_is_quiet(tmp_path, ray_cl
     # quiet also with a second Ray cluster on the machine (Ray Train's placement-group cleaner once found
     # the wrong one). The later runs join the shared cluster through RAY_ADDRESS, as the README says a
     # user may, instead of each starting and stopping a cluster of its own.
-    (tmp_path / "experiments").symlink_to(REPO / "experiments")
+    (tmp_path / "experiments").symlink_to(REPO / "experiments")  # the repository's root, as the README has it
+    (tmp_path / "clusters").symlink_to(REPO / "clusters")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"  # as `. .venv/bin/activate` leaves it
     joined = {**env, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}

@@ -2,6 +2,7 @@
 every sweep point, bad input refused before start, and one plan end to end on the shared Ray cluster."""
 
 import json
+import os
 import re
 
 import pytest
@@ -74,6 +75,46 @@ def test_every_point_is_predicted_ranked_and_sized():
     assert times_ == sorted(times_)
     # a device too small for any of them: all flagged, still ranked by time
     assert all(r["fits"] is False for r in predict(p, ref, model, device_memory=1024))
+
+
+def test_unprobed_worker_counts_take_the_step_model_calibrated_on_the_probes():
+    """Probes at one worker measure each strategy's achievable fraction; a point at two workers takes
+    estimate's step on the device at that fraction: what the probe measured, scaled by the model."""
+    from dataclasses import replace
+
+    from raytrain_par import devices, estimate
+    from raytrain_par.goodput import Calibrated, probed_only
+
+    spec = config.parse({**BASE, "sweep": {"grid": {"scaling.num_workers": [1, 2], "train.global_batch_size": [8, 32],
+                                                    "strategy": [{"name": "ddp"}, {"name": "zero-2"}]},
+                                           "lr_scaling": "sqrt"}})
+    p = plan(spec)
+    specs = [p.trial_spec(pt) for pt in p.points]
+    one = probed_only(specs, [1])
+    assert {s.scaling.num_workers for s in one} == {1} and len(one) == 4
+    device = devices.device("a100-80gb", {"achievable": "1"})
+    truth = {"ddp": 0.3, "zero-2": 0.2}  # the fractions the "measured" probes reach
+
+    def measured(s):
+        return estimate.step_time(s, replace(device, achievable=truth[s.strategy.name])).step_s
+
+    calibrated = Calibrated([(s, measured(s)) for s in one], device)
+    for s in specs:
+        assert calibrated.achievable[strategy_key(s)] == pytest.approx(truth[s.strategy.name])
+        assert calibrated.step_time(s) == pytest.approx(measured(s))
+    ref = Reference(batch=16, steps=300.0, min_steps=100.0, noise_scale=32.0)
+    probed = {(strategy_key(s), 1, s.per_worker_batch, 1): measured(s) for s in one}
+    rows = predict(p, ref, ThroughputModel({}), probed=probed, calibrated=calibrated)
+    for r in rows:
+        assert r["step_time_from"] == ("probed" if r["num_workers"] == 1 else "model")
+        s = next(s for s in specs if (s.strategy.name, s.scaling.num_workers, s.train.global_batch_size)
+                 == (r["strategy"], r["num_workers"], r["global_batch_size"]))
+        assert r["predicted_step_time_s"] == pytest.approx(measured(s))
+    with pytest.raises(ConfigError, match="no point on 4 worker"):
+        probed_only(specs, [4])
+    only_ddp = [s for s in specs if s.strategy.name == "ddp" and s.scaling.num_workers == 1]
+    with pytest.raises(ConfigError, match="no point of zero-2"):
+        probed_only(only_ddp + [s for s in specs if s.strategy.name == "zero-2" and s.scaling.num_workers == 2], [1])
 
 
 @pytest.mark.parametrize("changes,field,words", [
@@ -305,8 +346,10 @@ def test_goodput_search_end_to_end(ray_cluster, tmp_path):
                                                                 * r["predicted_step_time_s"])
         assert r["step_time_probed"] and r["memory_per_worker_bytes"] > 0
     # one probe run on two workers times the smallest and largest per-worker batch; the fit lies between
-    probed = json.loads((tmp_path / "g" / "plan" / "probes" / "probe-w2.json").read_text())
+    written = json.loads((tmp_path / "g" / "plan" / "probes" / "probe-w2.json").read_text())
+    probed, busy = written["step_times"], written["background_cores"]
     assert sorted(probed) == ["ddp-w2-local4", "ddp-w2-local8"] and min(probed.values()) > 0
+    assert sorted(busy) == sorted(probed) and all(0 <= b <= os.cpu_count() for b in busy.values())
     for r in rows:
         assert min(probed.values()) - 1e-9 <= r["predicted_step_time_s"] <= max(probed.values()) + 1e-9
     # the reference's batch: its own steps, efficiency 1; a smaller batch: more steps, each row worth more
@@ -335,3 +378,29 @@ def test_goodput_search_end_to_end(ray_cluster, tmp_path):
     files = write_report(tmp_path / "g")
     assert (tmp_path / "g" / "predicted_vs_measured.png") in files
     assert "Predicted (`search: goodput`) against measured" in (tmp_path / "g" / "summary.md").read_text()
+
+
+@pytest.mark.ray
+def test_a_plan_probing_one_worker_models_the_two_worker_points(ray_cluster, tmp_path):
+    """`plan --probe-workers 1`: one probe run on one worker only; the two-worker points take the step model
+    calibrated on it (each strategy's achievable fraction, the machine's other processes' cores), as
+    Calibrated says, and the one-worker points their probed steps."""
+    from raytrain_par.goodput import make_plan
+
+    raw = {**BASE, "data": {**BASE["data"], "max_val_samples": 16}, "output_dir": str(tmp_path),
+           "train": {"global_batch_size": 16, "max_steps": 15, "eval_every_steps": 3, "lr": 3e-3,
+                     "checkpoint_every_evals": 0},
+           "target": "val_loss <= 5.4",
+           "sweep": {"grid": {"scaling.num_workers": [1, 2], "train.global_batch_size": [8, 16]}, "lr_scaling": "sqrt"}}
+    result = make_plan(config.parse(raw), probe_workers=[1], log=print)
+    assert sorted(p.name for p in (tmp_path / "g" / "plan" / "probes").glob("*.json")) == ["probe-w1.json"]
+    probed = json.loads((tmp_path / "g" / "plan" / "probes" / "probe-w1.json").read_text())["step_times"]
+    assert 0 < result.achievable["ddp"] <= 1 and 0 <= result.background_cores <= os.cpu_count()
+    by = {(r["num_workers"], r["global_batch_size"]): r for r in result.rows}
+    for (workers, batch), r in by.items():
+        assert r["step_time_from"] == ("probed" if workers == 1 else "model")
+        assert r["predicted_time_to_target_s"] == pytest.approx(r["predicted_steps_to_target"]
+                                                                * r["predicted_step_time_s"])
+    assert by[1, 8]["predicted_step_time_s"] == pytest.approx(probed["ddp-w1-local8"])
+    # two workers compute half the rows each: a shorter step than one worker's at the same batch
+    assert 0 < by[2, 16]["predicted_step_time_s"] < by[1, 16]["predicted_step_time_s"]

@@ -92,13 +92,18 @@ def test_every_figure_of_the_catalogue_says_where_it_comes_from():
     assert set(devices.NAMES) >= {"v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "cpu"}
 
 
-def test_a_measured_achievable_fraction_replaces_the_assumed_one(tmp_path, monkeypatch):
-    path = tmp_path / "achievable.json"
+def test_a_measured_achievable_fraction_replaces_the_fitted_one_which_replaces_the_assumed_one(tmp_path, monkeypatch):
+    path, fitted = tmp_path / "achievable.json", tmp_path / "fitted.json"
     path.write_text(json.dumps({"h200": {"achievable": 0.61, "source": "benchmarks/gpu_check.py on an H200"}}))
     monkeypatch.setattr(devices, "ACHIEVABLE_FILE", path)
+    monkeypatch.setattr(devices, "FITTED_FILE", fitted)
+    devices.record_fitted({name: {"achievable": 0.7, "source": "fitted to published runs"}
+                           for name in ("h100-sxm", "h200")})
     d = devices.device("h200")
     assert d.achievable == 0.61 and "gpu_check" in d.sources["achievable"]
-    assert devices.device("h100-sxm").achievable == devices.CATALOGUE["h100-sxm"].achievable
+    assert devices.device("h100-sxm").achievable == 0.7
+    assert "published" in devices.device("h100-sxm").sources["achievable"]
+    assert devices.device("v100-32gb").achievable == devices.CATALOGUE["v100-32gb"].achievable
 
 
 def test_the_command_line_overrides_a_figure_and_refuses_a_bad_one():
@@ -132,10 +137,75 @@ def test_estimate_on_a_device_gives_step_time_and_mfu_per_row():
     # 16 workers span two nodes: zero-3's gathers cross them
     assert rows["zero-3", 16]["comm_s"] > rows["zero-3", 2]["comm_s"]
     assert not rows["ddp", 3]["possible"] and rows["ddp", 3]["note"]  # one row saying why
-    assert rows["pipedream", 2]["step_time_s"] is None and "no step time" in rows["pipedream", 2]["remark"]
+    # PipeDream's bubble: the forward passes' refill after each step's loss, a third of what 1F1B's flush
+    # costs at quickstart's one microbatch (P - 1 = 1 of them), and its messages
+    pd = rows["pipedream", 2]
+    assert pd["step_time_s"] == pytest.approx(pd["compute_s"] + pd["exposed_comm_s"] + pd["bubble_s"])
+    assert pd["bubble_s"] == pytest.approx(pd["compute_s"] / 3) and pd["exposed_comm_s"] > 0
+    assert 0 < pd["mfu"] < doc["device"]["achievable"] and "no step time" not in pd["remark"]
 
 
 def test_estimate_refuses_an_unknown_device_with_the_catalogue():
     refused(raytrain_par("estimate", REPO / "experiments" / "quickstart.yaml", "--device", "tpu-v5"),
             "tpu-v5", "a100-80gb", "h200")
     refused(raytrain_par("estimate", REPO / "experiments" / "quickstart.yaml", "--gpus-per-node", "4"), "--device")
+
+
+def test_workers_beyond_the_cores_left_to_them_share_them():
+    """On this machine's CPU: each worker computes at (cores - the other processes' cores) / workers of
+    its peak once they outnumber what is left, never faster than alone."""
+    import os
+
+    base = devices.Device("cpu", {"fp32": 1.0}, 0, 0, 0, 0, 0, 1, 1.0, overlaps_communication=False)
+    cores = os.cpu_count()
+    link = (1e9, 1e-4)
+    assert devices.cpu_workers(base, link, 1).peak_tflops["fp32"] == 1.0
+    assert devices.cpu_workers(base, link, 2 * cores).peak_tflops["fp32"] == pytest.approx(0.5)
+    busy = devices.cpu_workers(base, link, cores, background_cores=0.5)
+    assert busy.peak_tflops["fp32"] == pytest.approx((cores - 0.5) / cores)
+    assert busy.intra_node_bw == 1e9 and busy.gpus_per_node == cores
+
+
+def test_checkpointing_adds_the_forward_pass_of_the_modules_it_recomputes():
+    """Counted, not assumed: `full` runs every block's forward again, `selective` each self-attention's;
+    neither the embeddings nor the LM head are recomputed, so both cost less than a third of the step."""
+    from raytrain_par import config, data, estimate
+    from raytrain_par.metrics import flops
+
+    def spec(mode):
+        return config.parse({"name": "c", "model": {"name": "gpt2-tiny"}, "data": {"name": "kjv", "seq_len": 128},
+                             "scaling": {"num_workers": 2}, "train": {"global_batch_size": 8,
+                                                                      "activation_checkpointing": mode}})
+
+    info = data.shape_of(spec("none").data)
+    step = flops.model_flops_per_step(spec("none").model, info, 8)
+    parts = {mode: estimate.StepParts.of(spec(mode)) for mode in ("none", "selective", "full")}
+    assert parts["none"].recomputed == 0
+    assert 0 < parts["selective"].recomputed < parts["full"].recomputed < step / 3
+    assert parts["full"].recomputed == 8 * (flops.count_flops(spec("full").model, info, 1, "full")
+                                            - flops.model_flops_per_sample(spec("full").model, info))
+    device = devices.device("h100-sxm")
+    rate = device.peak("fp32") * device.achievable
+    for mode, p in parts.items():
+        assert p.on(device).compute_s == pytest.approx((step + p.recomputed) / 2 / rate)
+
+
+def test_a_measured_factor_scales_its_op_and_no_other():
+    """gloo's all-gathers and reduce-scatters run slower than its all-reduce: a device's factor for an op
+    multiplies that op's ring time, and the catalogue's GPUs have none."""
+    link = Link(bandwidth=1 * GB, latency_s=0.0, factors={"all_gather": 1.5})
+    plain = Link(bandwidth=1 * GB, latency_s=0.0)
+    gather, reduce = Collective("all_gather", 1e9, 2), Collective("all_reduce", 1e9, 2)
+    assert collective_seconds(gather, link) == pytest.approx(1.5 * collective_seconds(gather, plain))
+    assert collective_seconds(reduce, link) == collective_seconds(reduce, plain)
+    assert all(not d.collective_factors for d in devices.CATALOGUE.values())
+    loopback = devices.Loopback(1e9, 1e-4, {"reduce_scatter": 3.0})
+    base = devices.Device("cpu", {"fp32": 1.0}, 0, 0, 0, 0, 0, 1, 1.0, overlaps_communication=False)
+    assert devices.cpu_workers(base, loopback, 2).collective_factors == {"reduce_scatter": 3.0}
+
+
+def test_the_loopback_is_measured_per_op():
+    """Two gloo processes: the all-reduce's line, and each other op's time over the ring model's, positive."""
+    link = devices.measure_loopback(repeats=3)
+    assert link.bandwidth > 0 and link.latency_s >= 0
+    assert set(link.factors) == {"all_gather", "reduce_scatter"} and all(f > 0 for f in link.factors.values())

@@ -257,7 +257,8 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
     - pipeline (P > 1; stages.Pipeline's split, by `split_points` or balanced by `balance`): per
       microbatch of each accumulation step, every stage boundary's activation sent forward and its
       gradient sent back, over the pipeline group; the tied embedding's gradient summed over the ranks
-      holding a copy; the step's loss broadcast from the last stage;
+      holding a copy (PipeDream's asynchronous schedules: sent to the first stage, the sum sent back);
+      the step's loss broadcast from the last stage;
     - tensor parallel (T > 1): the activation all-reduces of this rank's layers, per accumulation step
       (and microbatch), `tensor_parallel_collectives`;
     - data parallel over the D replicas of this rank's parameters (those of its stages, of its tensor
@@ -309,7 +310,9 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
         for p in _unique(p for s in local for p in held[s]):
             if len(holders[id(p)]) > 1:  # tied across pipeline ranks: one copy's gradient per rank, summed
                 elements = padded_elements([p], D) // D if layout.sharding == "fsdp" else p.numel()  # (its slice)
-                out.append(Collective("all_reduce", elements * b, len(holders[id(p)]), "pp", "tie"))
+                # PipeDream: the last stage sends its half, the first sends the sum back
+                ops = ("send", "recv") if layout.asynchronous else ("all_reduce",)
+                out += [Collective(op, elements * b, len(holders[id(p)]), "pp", "tie") for op in ops]
         params = [p for s in local for p in held[s]]  # a tied parameter's copy on each stage
         # FSDP's units under a pipeline: each layer of a stage, then the stage (which owns none of its own)
         units = [list(layer.parameters()) for s in local for layer in layers[slice(*ranges[s])]]

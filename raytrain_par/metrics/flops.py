@@ -50,12 +50,14 @@ def sample_batch(info, rows: int = 1, device: torch.device | str = "meta") -> di
             "label": torch.zeros(rows, dtype=torch.long, device=device)}
 
 
-def count_flops(model_spec, info, rows: int = 1) -> int:
+def count_flops(model_spec, info, rows: int = 1, checkpointing: str = "none") -> int:
     """FLOPs of the forward and backward of `rows` samples, counted (see the module docstring for what
     counts). `info`: what `models.build_on_meta` takes, a prepared set's `DatasetInfo` or
     `data.shape_of`'s. The step runs as training runs it: `task.prepare` (the image task's
     normalisation and resize, which count nothing), `task.loss`, `backward`. The first convolution's
-    input needs no gradient, so its backward computes only the weight gradient: 2x its forward, not 4x."""
+    input needs no gradient, so its backward computes only the weight gradient: 2x its forward, not 4x.
+    With `checkpointing` (train.activation_checkpointing) the modules it names run their forward again
+    in backward, and that is counted too."""
     # Under FakeTensorMode, over meta tensors: meta tensors cannot answer `.item()`, and transformers'
     # GPT-2 asks one while building its causal mask (are the positions packed sequences?) unless the
     # tensor is fake, when it takes its tracing path instead: an explicit causal mask rather than
@@ -67,6 +69,7 @@ def count_flops(model_spec, info, rows: int = 1) -> int:
     meta = torch.device("meta")
     with FakeTensorMode():
         model, task = models.build_on_meta(model_spec, info)
+        models.checkpoint_activations(model, checkpointing)
         with FlopCounterMode(display=False) as counter:
             task.loss(model, task.prepare(sample_batch(info, rows, meta), meta)).backward()
     return int(counter.get_total_flops())
@@ -80,12 +83,29 @@ def model_flops_per_sample(model_spec, info) -> int:
 _PER_SAMPLE: dict[tuple, int] = {}
 
 
+def _shape_key(model_spec, info) -> tuple:
+    """What a model's FLOPs per sample depend on: the model and the data's shape."""
+    return (repr(model_spec), info.kind, info.seq_len, info.vocab_size, tuple(info.image_shape or ()),
+            info.num_classes)
+
+
+def recomputed_flops_per_sample(model_spec, info, checkpointing: str) -> int:
+    """FLOPs activation checkpointing adds to one sample's step: the checkpointed modules' forward pass,
+    run again in backward (`full`: every block's; `selective`: the self-attention's only)."""
+    if checkpointing == "none":
+        return 0
+    key = ("recomputed", checkpointing, *_shape_key(model_spec, info))
+    if key not in _PER_SAMPLE:
+        # the plain step's count is kept (model_flops_per_step), not counted again
+        _PER_SAMPLE[key] = count_flops(model_spec, info, 1, checkpointing) - model_flops_per_step(model_spec, info, 1)
+    return _PER_SAMPLE[key]
+
+
 def model_flops_per_step(model_spec, info, global_batch_size: int) -> int:
     """FLOPs of one optimizer step of `global_batch_size` samples over all workers: per sample times
     the batch (every matmul is linear in the batch; micro-batches and pipeline stages change who
     computes, not how much). Counted once per model spec and data shape in this process."""
-    key = (repr(model_spec), info.kind, info.seq_len, info.vocab_size, tuple(info.image_shape or ()),
-           info.num_classes)
+    key = _shape_key(model_spec, info)
     if key not in _PER_SAMPLE:
         _PER_SAMPLE[key] = model_flops_per_sample(model_spec, info)
     return _PER_SAMPLE[key] * global_batch_size

@@ -59,6 +59,11 @@ class Layout:
         return self.pipeline * self.tensor * self.data
 
     @property
+    def asynchronous(self) -> bool:
+        """PipeDream's schedules (`pipedream`, `pipedream-2bw`): stages update on their own clocks, never flushed."""
+        return (self.schedule or "").startswith("pipedream")
+
+    @property
     def degrees(self) -> tuple[int, int, int]:
         """(P, D, T): the shape of the device mesh."""
         return self.pipeline, self.data, self.tensor

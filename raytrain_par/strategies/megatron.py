@@ -72,13 +72,15 @@ class Options:
     schedule: Schedule = "1f1b"  # as strategy pipeline's (stages > 1)
     microbatches: Optional[int] = None  # per step and pipeline (default 4 x stages)
     split_points: Optional[list[int]] = None  # layer indices where stages 1.. begin; default: balanced
+    virtual_stages: Optional[int] = None  # stages per worker, interleaved-1f1b / zero-bubble (default 2)
 
     def pipeline_options(self):
         """The schedule of the stages, as strategy pipeline's options say it."""
         from .pipeline import Options as PipelineOptions
 
         return PipelineOptions(stages=self.stages, schedule=self.schedule, microbatches=self.microbatches,
-                               split_points=self.split_points, data_parallel_sharding=self.data_parallel_sharding)
+                               split_points=self.split_points, data_parallel_sharding=self.data_parallel_sharding,
+                               virtual_stages=self.virtual_stages)
 
     def validate(self, spec, error) -> None:
         t, p = self.tensor_parallel, self.stages
@@ -117,8 +119,9 @@ class Options:
                   f"or degrees whose product divides {n}")
         if p > 1:  # the pipeline's own checks: stages against layers, microbatches against rows
             self.pipeline_options().validate(spec, error)
-        elif (self.schedule, self.microbatches, self.split_points) != ("1f1b", None, None):
-            error("strategy.stages", p, "schedule, microbatches and split_points arrange pipeline stages",
+        elif (self.schedule, self.microbatches, self.split_points, self.virtual_stages) != ("1f1b", None, None, None):
+            error("strategy.stages", p, "schedule, microbatches, split_points and virtual_stages arrange pipeline "
+                  "stages",
                   "set stages: 2 or more, or remove them")
 
     def layout(self, num_workers: int) -> Layout:
