@@ -2,6 +2,8 @@
 YAML would accept silently (a key given twice, a target pointing the wrong way) refused with the field,
 the value and the fix, and never a traceback."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -23,6 +25,19 @@ def raytrain_par(*args, cwd=None):
     """The installed command, in its own process, as a shell runs it."""
     exe = Path(sys.executable).parent / "raytrain-par"
     return subprocess.run([str(exe), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def in_process(*args):
+    """The command's `main` in the test's own process, returning what `raytrain_par` returns: for the
+    many calls of one test that check what a command says (each process of its own spends ~3 s on
+    imports). Tests of the installed command as a shell runs it use `raytrain_par`."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = cli.main([str(a) for a in args])
+        except SystemExit as e:  # argparse's refusals
+            rc = e.code
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
 
 
 def refused(result, *words):
@@ -217,19 +232,19 @@ def test_report_json(tmp_path):
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_estimate_answers_megatron_with_activation_checkpointing(mode):
-    result = raytrain_par("estimate", REPO / "experiments" / "megatron.yaml", "--json", "--strategies", "megatron,ddp",
-                          "--set", f"train.activation_checkpointing={mode}")
+    result = in_process("estimate", REPO / "experiments" / "megatron.yaml", "--json", "--strategies", "megatron,ddp",
+                        "--set", f"train.activation_checkpointing={mode}")
     doc = json_of(result)
     assert result.returncode == 0 and doc["activation_checkpointing"] == mode
-    plain = json_of(raytrain_par("estimate", REPO / "experiments" / "megatron.yaml", "--json", "--strategies",
-                                 "megatron,ddp"))
+    plain = json_of(in_process("estimate", REPO / "experiments" / "megatron.yaml", "--json", "--strategies",
+                               "megatron,ddp"))
     for row, before in zip(doc["rows"], plain["rows"]):
         assert row["possible"] and 0 < row["activation_bytes"] < before["activation_bytes"]  # recomputed, not kept
 
 
 def test_estimate_gives_pipedreams_memory_whatever_the_clipping():
-    result = raytrain_par("estimate", REPO / "experiments" / "quickstart.yaml", "--json", "--workers", "2",
-                          "--strategies", "pipeline,pipedream,megatron", "--set", "train.grad_clip=1.0")
+    result = in_process("estimate", REPO / "experiments" / "quickstart.yaml", "--json", "--workers", "2",
+                        "--strategies", "pipeline,pipedream,megatron", "--set", "train.grad_clip=1.0")
     rows = {r["strategy"]: r for r in json_of(result)["rows"]}
     assert rows["pipedream"]["possible"] and rows["pipedream"]["per_worker_bytes"] > 0
     assert "train.grad_clip = 0.0" in rows["pipedream"]["remark"] and rows["pipeline"]["remark"] is None

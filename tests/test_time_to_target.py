@@ -10,7 +10,7 @@ from raytrain_par.config import load_experiment
 from raytrain_par.errors import UserError
 from raytrain_par.metrics import flops
 from raytrain_par.metrics.records import read_records, write_table
-from test_cli import REPO, json_of, raytrain_par, refused
+from test_cli import REPO, in_process, json_of, raytrain_par, refused
 
 QUICKSTART = REPO / "experiments" / "quickstart.yaml"
 # (step, val_perplexity, noise scale measured over the interval before it); the target is <= 120
@@ -60,11 +60,11 @@ def test_time_and_cost_to_target_are_the_reference_steps_times_the_predicted_ste
         assert r["cost_to_target_usd"] == pytest.approx(r["time_to_target_s"] * r["workers"] / 3600 * price)
     assert rows["ddp", 8]["time_to_target_s"] < rows["ddp", 1]["time_to_target_s"]
     assert not rows["ddp", 128]["possible"] and "at most 64 GPUs" in rows["ddp", 128]["note"]
-    text = raytrain_par("estimate", QUICKSTART, "--workers", "8", "--strategies", "ddp", "--cluster",
-                        REPO / "clusters" / "aws-a100.yaml")
+    text = in_process("estimate", QUICKSTART, "--workers", "8", "--strategies", "ddp", "--cluster",
+                      REPO / "clusters" / "aws-a100.yaml")
     assert "spot node type" in text.stdout and "--price" in text.stdout  # the same machines for less
-    text = raytrain_par("estimate", QUICKSTART, "--workers", "1,8", "--strategies", "ddp,pipedream", "--device",
-                        "h100-sxm", "--records", ref, "--price", "2.5")
+    text = in_process("estimate", QUICKSTART, "--workers", "1,8", "--strategies", "ddp,pipedream", "--device",
+                      "h100-sxm", "--records", ref, "--price", "2.5")
     assert text.returncode == 0, text.stderr
     assert "to target" in text.stdout and "cost" in text.stdout and "soonest to the target: ddp on 8" in text.stdout
     # PipeDream's step is predicted, its steps to the target are not: a synchronous reference cannot say them
@@ -73,8 +73,8 @@ def test_time_and_cost_to_target_are_the_reference_steps_times_the_predicted_ste
 
 def test_a_larger_batch_takes_the_steps_its_noise_scale_predicts(tmp_path):
     ref = write_reference(tmp_path / "ref", batch=16)
-    doc = json_of(raytrain_par("estimate", QUICKSTART, "--json", "--workers", "2", "--strategies", "ddp",
-                               "--device", "a100-80gb", "--records", ref))
+    doc = json_of(in_process("estimate", QUICKSTART, "--json", "--workers", "2", "--strategies", "ddp",
+                             "--device", "a100-80gb", "--records", ref))
     r, reference = doc["rows"][0], doc["reference"]
     b, s_min = reference["grad_noise_scale"], reference["min_steps"]
     assert reference["global_batch_size"] == 16 and doc["global_batch_size"] == 32
@@ -84,22 +84,22 @@ def test_a_larger_batch_takes_the_steps_its_noise_scale_predicts(tmp_path):
 
 def test_records_that_cannot_say_are_refused_with_the_fix(tmp_path):
     estimate = ("estimate", QUICKSTART, "--device", "a100-80gb", "--records")
-    refused(raytrain_par(*estimate, tmp_path / "none"), "no metrics.parquet")
+    refused(in_process(*estimate, tmp_path / "none"), "no metrics.parquet")
     never = write_reference(tmp_path / "never", curve=[(0, 8000.0, None), (50, 300.0, 20.0)])
-    refused(raytrain_par(*estimate, never), "never reached val_perplexity <= 120", "max_steps")
+    refused(in_process(*estimate, never), "never reached val_perplexity <= 120", "max_steps")
     unmeasured = write_reference(tmp_path / "unmeasured", curve=[(0, 8000.0, None), (50, 100.0, None)])
-    refused(raytrain_par(*estimate, unmeasured), "did not measure the gradient noise scale")
+    refused(in_process(*estimate, unmeasured), "did not measure the gradient noise scale")
     other = write_reference(tmp_path / "other")
     rows = read_records(other / "metrics.parquet")
     write_table(other / "metrics.parquet", [{**r, "model_flops_per_step": r["model_flops_per_step"] * 3}
                                             for r in rows])
-    refused(raytrain_par(*estimate, other), "another model")
+    refused(in_process(*estimate, other), "another model")
     ok = write_reference(tmp_path / "ok")
-    refused(raytrain_par("estimate", QUICKSTART, "--records", ok), "--device", "--cluster")
-    refused(raytrain_par("estimate", QUICKSTART, "--device", "h200", "--price", "3"), "--records")
-    refused(raytrain_par("estimate", QUICKSTART, "--cluster", REPO / "clusters" / "aws-a100.yaml", "--device",
-                         "h200"), "--device")
-    refused(raytrain_par("estimate", QUICKSTART, "--cluster", REPO / "clusters" / "kuberay-raycluster.yaml"),
+    refused(in_process("estimate", QUICKSTART, "--records", ok), "--device", "--cluster")
+    refused(in_process("estimate", QUICKSTART, "--device", "h200", "--price", "3"), "--records")
+    refused(in_process("estimate", QUICKSTART, "--cluster", REPO / "clusters" / "aws-a100.yaml", "--device",
+                       "h200"), "--device")
+    refused(in_process("estimate", QUICKSTART, "--cluster", REPO / "clusters" / "kuberay-raycluster.yaml"),
             "--price")
 
 
@@ -148,17 +148,17 @@ def test_plan_ranks_a_cluster_it_never_ran_on_without_starting_ray(tmp_path, mon
         # estimate's names for the same figures
         assert (r["workers"], r["step_time_s"], r["time_to_target_s"], r["mem_per_worker_bytes"]) == (
             r["num_workers"], r["predicted_step_time_s"], seconds, r["memory_per_worker_bytes"])
-    text = raytrain_par("plan", sweep_file(tmp_path), "--device", "h100-sxm", "--workers", "1,2", "--records", ref,
-                        "--price", "3")
+    text = in_process("plan", sweep_file(tmp_path), "--device", "h100-sxm", "--workers", "1,2", "--records", ref,
+                      "--price", "3")
     assert text.returncode == 0, text.stderr
     assert "predicted fastest to val_perplexity <= 120: w2-" in text.stdout and "predicted cheapest" in text.stdout
 
 
 def test_plan_on_a_device_refuses_what_it_cannot_use(tmp_path):
     path, ref = sweep_file(tmp_path), write_reference(tmp_path / "ref")
-    refused(raytrain_par("plan", path, "--workers", "8..64"), "--cluster FILE or --device NAME")
-    refused(raytrain_par("plan", path, "--device", "h100-sxm", "--probe-workers", "1"), "--probe-workers")
-    refused(raytrain_par("plan", path, "--device", "h100-sxm", "--workers", "64..8"), "8..256")
-    refused(raytrain_par("plan", path, "--device", "h100-sxm", "--records", tmp_path / "none"), "no metrics.parquet")
-    refused(raytrain_par("plan", path, "--device", "v100-32gb", "--records", ref, "--set", "train.precision=bf16"),
+    refused(in_process("plan", path, "--workers", "8..64"), "--cluster FILE or --device NAME")
+    refused(in_process("plan", path, "--device", "h100-sxm", "--probe-workers", "1"), "--probe-workers")
+    refused(in_process("plan", path, "--device", "h100-sxm", "--workers", "64..8"), "8..256")
+    refused(in_process("plan", path, "--device", "h100-sxm", "--records", tmp_path / "none"), "no metrics.parquet")
+    refused(in_process("plan", path, "--device", "v100-32gb", "--records", ref, "--set", "train.precision=bf16"),
             "no bf16 peak")
