@@ -6,9 +6,10 @@ in plain gloo process groups: the error per row.
 
 What the prediction is given, all measured here before the rows and none of it fitted to them but one
 figure: the matmul peak of one rank's thread (metrics/flops.py's probe), the loopback link's bandwidth
-and latency (gloo all-reduces of 4 KiB to 16 MiB between two ranks, a least-squares line) and its
-all-gathers' and reduce-scatters' time over the ring model's (devices.measure_loopback), and the
-cores (ranks beyond them share them: each computes at cores / ranks of its peak). The one fitted
+and latency (gloo all-reduces of 4 KiB to 16 MiB between two ranks, each computing on a second thread
+as in a step, a least-squares line) and its all-gathers' and reduce-scatters' time over the ring
+model's (devices.measure_loopback), and the cores (ranks beyond them share them: each computes, and
+moves its collectives' bytes, at cores / ranks of its speed alone). The one fitted
 figure is the device's achievable fraction, which the catalogue allows per device: the step's FLOPs at
 the probed peak over the median of the 1-rank rows (every layout at 1 rank runs the same FLOPs in one
 process). Each layout runs in its own process group, one thread a rank, timed as the median of its
@@ -166,11 +167,12 @@ first, the slowest rank's, in each of {a.rounds} rounds over every layout; "meas
 rounds (the machine's speed drifts over minutes). The prediction is `raytrain-par estimate --device cpu`'s model
 ([step-time.md](step-time.md)) given this machine's figures, measured before the rows: one thread's fp32
 matmul peak ({peak:.3g} TFLOP/s), the loopback's bandwidth and latency ({link[0] / 1e9:.3g} GB/s, {link[1] * 1e6:.0f} µs
-a ring step: gloo all-reduces of 4 KiB to 16 MiB between two ranks, a least-squares line; gloo's
+a ring step: gloo all-reduces of 4 KiB to 16 MiB between two ranks, each multiplying matrices on a second
+thread meanwhile as in a step, a least-squares line; gloo's
 all-gathers and reduce-scatters take {link.factors['all_gather']:.2f} and {link.factors['reduce_scatter']:.2f}
 times the ring model's time on that link, measured the same way) and
-{os.cpu_count()} cores (4 ranks share them: each computes at half its peak; gloo's collectives run on
-those cores, so no computation hides them). One figure is fitted: the
+{os.cpu_count()} cores (4 ranks share them: each computes at half its peak, and gloo, which moves and sums
+the bytes on those cores, at half the link's bandwidth; no computation hides its collectives). One figure is fitted: the
 achievable fraction, {achievable:.2f} of the probed peak, from the median of the 1-rank rows (each runs the
 step's FLOPs in one process). Times in ms; "comm" is the communication the model says no computation hides.
 

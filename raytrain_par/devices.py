@@ -158,9 +158,35 @@ LINK_SIZES = [2**k for k in range(12, 25, 2)]
 FACTOR_OPS = ("all_gather", "reduce_scatter")
 
 
-def _collective_seconds(rank: int, world: int, sizes: list[int], repeats: int) -> dict[str, list[float]]:
+def _collective_seconds(rank: int, world: int, sizes: list[int], repeats: int,
+                        busy: bool = True) -> dict[str, list[float]]:
     """Median seconds of a gloo all-reduce, all-gather and reduce-scatter of each size (the whole
-    buffer: the all-gather's output, the reduce-scatter's input) between the ranks, by op."""
+    buffer: the all-gather's output, the reduce-scatter's input) between the ranks, by op; with `busy`,
+    while a second thread of each rank multiplies matrices, as a training step's computation runs
+    beside the collectives gloo's threads carry."""
+    import threading
+
+    import torch
+
+    if not busy:
+        return _timed_collectives(world, sizes, repeats)
+    torch.set_num_threads(1)  # the rank's one compute thread, as a worker's
+    stop, a = threading.Event(), torch.randn(256, 256)
+
+    def compute():
+        while not stop.is_set():
+            a @ a
+
+    thread = threading.Thread(target=compute, daemon=True)
+    thread.start()
+    try:
+        return _timed_collectives(world, sizes, repeats)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _timed_collectives(world: int, sizes: list[int], repeats: int) -> dict[str, list[float]]:
     import statistics
     import time
 
@@ -199,18 +225,24 @@ class Loopback(NamedTuple):
     factors: dict  # Device.collective_factors
 
 
-def measure_loopback(repeats: int = 20) -> Loopback:
+def measure_loopback(repeats: int = 20, busy: bool = True) -> Loopback:
     """gloo between two processes of this machine: all-reduces of 4 KiB to 16 MiB, a least-squares line
     (a two-rank all-reduce takes B / bandwidth + 2 latency, as metrics/steptime.py's ring has it with
     n = 2); then all-gathers and reduce-scatters of the same sizes, each op's time over the ring model's
-    on that link (the median over the sizes of 1 MiB and more, where bandwidth decides). A few seconds."""
+    on that link (the median over the sizes of 1 MiB and more, where bandwidth decides). A few seconds.
+
+    With `busy` (the default) each process multiplies matrices on a second thread meanwhile. In a step
+    gloo's threads share the cores with the computation (DDP's and FSDP's reductions run beside the
+    backward pass, the other ranks compute while one communicates), and there its collectives take up
+    to twice as long as between idle processes: on the idle link the prediction fell short of the
+    measured step for every layout that communicates (docs/step-time-results.md)."""
     import numpy as np
 
     from .local_group import run_ranks
     from .metrics.comm import Collective
     from .metrics.steptime import Link, collective_seconds
 
-    seconds = run_ranks(2, _collective_seconds, LINK_SIZES, repeats)[0]
+    seconds = run_ranks(2, _collective_seconds, LINK_SIZES, repeats, busy)[0]
     slope, intercept = np.polyfit(np.array(LINK_SIZES, dtype=float), np.array(seconds["all_reduce"]), 1)
     link = Link(float(1.0 / slope), float(max(intercept, 0.0) / 2))
     factors = {op: float(np.median([t / collective_seconds(Collective(op, size, 2), link)
@@ -224,15 +256,19 @@ def cpu_workers(base: Device, link: tuple[float, float], workers: int, threads_p
     """`base` (this machine, `cpu()`, its peak that of `threads_per_worker` threads) with the loopback
     `link` measured, for `workers` processes: beyond the cores left to them (its cores less the
     `background_cores` its other processes keep busy) they share them, each computing at
-    (cores - background) / (workers x threads) of its peak."""
+    (cores - background) / (workers x threads) of its peak. gloo moves and sums the bytes on the same
+    cores, so the link shares them too: its bandwidth at that share, each ring step's latency over it
+    (`link` was measured with two processes, one core each)."""
     cores = max((os.cpu_count() or 1) - background_cores, 0.1)
     share = min(1.0, cores / (workers * threads_per_worker))
-    bandwidth, latency = link[0], link[1]
+    bandwidth, latency = link[0] * share, link[1] / share
     return replace(base, peak_tflops={k: v * share for k, v in base.peak_tflops.items()}, intra_node_bw=bandwidth,
                    inter_node_bw=bandwidth, intra_node_latency_s=latency, inter_node_latency_s=latency,
                    gpus_per_node=max(workers, 1), collective_factors=dict(getattr(link, "factors", {})),
-                   sources={**base.sources, "intra_node_bw": "measured here: gloo all-reduces between two processes",
-                            "intra_node_latency_s": "measured here, as intra_node_bw",
+                   sources={**base.sources,
+                            "intra_node_bw": "measured here: gloo all-reduces between two processes, each computing "
+                                             "beside them; times the cores' share per worker",
+                            "intra_node_latency_s": "measured here, as intra_node_bw: over the cores' share",
                             "collective_factors": "measured here: gloo's all-gathers and reduce-scatters"})
 
 
