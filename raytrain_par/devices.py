@@ -59,6 +59,10 @@ class Device:
     # catalogue's GPUs leave it empty; gloo's all-gather and reduce-scatter run slower than its all-reduce,
     # and this machine's are measured (measure_loopback).
     collective_factors: dict[str, float] = field(default_factory=dict, compare=False)
+    # the share of a core each worker computes on while all of them compute, where they outnumber the
+    # cores (this machine's CPU: cpu_workers); 1 where each has its own accelerator. Below 1, ranks
+    # that wait leave their cores to those that compute (metrics/steptime.py: the pipeline's bubble).
+    cores_share: float = 1.0
 
     def peak(self, precision: str) -> float:
         """FLOP/s of the dtype a run computes in: bf16/fp16 on the tensor cores, fp32 on the plain FP32
@@ -265,6 +269,7 @@ def cpu_workers(base: Device, link: tuple[float, float], workers: int, threads_p
     return replace(base, peak_tflops={k: v * share for k, v in base.peak_tflops.items()}, intra_node_bw=bandwidth,
                    inter_node_bw=bandwidth, intra_node_latency_s=latency, inter_node_latency_s=latency,
                    gpus_per_node=max(workers, 1), collective_factors=dict(getattr(link, "factors", {})),
+                   cores_share=share,
                    sources={**base.sources,
                             "intra_node_bw": "measured here: gloo all-reduces between two processes, each computing "
                                              "beside them; times the cores' share per worker",

@@ -83,6 +83,20 @@ def test_a_pipeline_pays_its_bubble_and_its_fill_and_drain(tiny):
     assert t.exposed_comm_s == pytest.approx(2 * 512 * 128 * 4 / GB / 2 + 4 / GB + 2 * message)
 
 
+def test_where_workers_share_cores_the_bubble_runs_on_the_waiting_ranks_cores(tiny):
+    """Four ranks on two cores compute at half a core each, but in the fill and drain half of them wait and
+    leave their cores to the others: the bubble's computation runs at a whole core, half the time it
+    would take at the shared rate; two ranks on two cores keep the whole bubble."""
+    layout = Layout.of(4, pipeline=2, schedule="gpipe", microbatches=4)
+    flops = 2 * 4e-3 * 10e12
+    own = step_time(layout, tiny, Step(rows=8), flops, DEVICE, "fp32")
+    shared = step_time(layout, tiny, Step(rows=8), flops, replace(DEVICE, cores_share=0.5), "fp32")
+    assert own.bubble_s == pytest.approx(own.compute_s / 4) and shared.compute_s == own.compute_s
+    assert shared.bubble_s == pytest.approx(own.bubble_s / 2)
+    quarter = step_time(layout, tiny, Step(rows=8), flops, replace(DEVICE, cores_share=0.25), "fp32")
+    assert quarter.bubble_s == pytest.approx(own.bubble_s / 2)  # half the ranks on the cores: half a core each
+
+
 def test_every_figure_of_the_catalogue_says_where_it_comes_from():
     for d in devices.CATALOGUE.values():
         for field in ("peak_tflops", "memory_bytes", "intra_node_bw", "inter_node_bw", "intra_node_latency_s",
@@ -163,7 +177,8 @@ def test_workers_beyond_the_cores_left_to_them_share_them():
     assert devices.cpu_workers(base, link, 2 * cores).peak_tflops["fp32"] == pytest.approx(0.5)
     busy = devices.cpu_workers(base, link, cores, background_cores=0.5)
     assert busy.peak_tflops["fp32"] == pytest.approx((cores - 0.5) / cores)
-    assert busy.intra_node_bw == pytest.approx(1e9 * (cores - 0.5) / cores) and busy.gpus_per_node == cores  # the link too
+    assert busy.intra_node_bw == pytest.approx(1e9 * (cores - 0.5) / cores)  # the link too
+    assert busy.gpus_per_node == cores
 
 
 def test_checkpointing_adds_the_forward_pass_of_the_modules_it_recomputes():
@@ -216,6 +231,7 @@ def test_workers_beyond_the_cores_share_the_link_as_they_share_compute(monkeypat
     assert four.peak_tflops["fp32"] == 0.5
     assert four.intra_node_bw == four.inter_node_bw == 0.5e9
     assert four.intra_node_latency_s == pytest.approx(2e-4)
+    assert (two.cores_share, four.cores_share) == (1.0, 0.5)
 
 
 def test_the_loopback_is_measured_per_op():

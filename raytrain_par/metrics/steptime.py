@@ -25,6 +25,9 @@ computation, the communication no computation hides, and the pipeline's bubble.
   ends each step on the last stage's loss (strategies/pipedream.py), so the next step's first
   microbatch refills the stages' forward passes: (P - 1) microbatches' forward passes, (P - 1) / (3 M)
   of the computation (a forward pass is a third of a microbatch's), and P - 1 of its messages exposed.
+  Where workers share cores (a CPU with more ranks than cores: Device.cores_share s < 1), the ranks
+  waiting in the fill and drain leave their cores to those computing, on average half of them (k of
+  P stages at the fill's k-th slot): the bubble's computation runs at min(1, 2 s) of a core, not s.
 """
 
 from __future__ import annotations
@@ -126,6 +129,8 @@ def timed(layout, by_rank: list[list[Collective]], flops_per_step: float, device
         bubble = compute * (P - 1) / (layout.virtual_stages * layout.microbatches)
         if layout.asynchronous:  # the forward passes' refill after each step's loss (the module docstring)
             bubble *= 1 - BACKWARD_SHARE
+        if device.cores_share < 1:  # the waiting half's cores go to the computing half (the module docstring)
+            bubble *= device.cores_share / min(1.0, 2 * device.cores_share)
     fills = (P - 1) * (1 if layout.asynchronous else 2)
     factors = device.collective_factors
     links = {dim: (Link(device.inter_node_bw, device.inter_node_latency_s, factors)
