@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import os
 import resource
 import sys
@@ -147,16 +146,6 @@ def allocated_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
     return heap_in_use_bytes()
-
-
-def held_bytes(device: torch.device) -> int | None:
-    """`allocated_bytes` once Python's cycle collector has run. Tensors that only reference cycles still
-    point at (an autograd graph, an engine's internal objects) are garbage, not model state, and when
-    the collector frees them depends on the process's whole allocation history: the same ZeRO-2 step
-    counted 125 MB in a process of its own and 159 MB among other tests (and 137 MB with the collector
-    off). Collected first, the count is what live objects hold."""
-    gc.collect()
-    return allocated_bytes(device)
 
 
 def available_host_memory() -> int:
