@@ -162,18 +162,15 @@ LINK_SIZES = [2**k for k in range(12, 25, 2)]
 FACTOR_OPS = ("all_gather", "reduce_scatter")
 
 
-def _collective_seconds(rank: int, world: int, sizes: list[int], repeats: int,
-                        busy: bool = True) -> dict[str, list[float]]:
+def _collective_seconds(rank: int, world: int, sizes: list[int], repeats: int) -> dict[str, list[float]]:
     """Median seconds of a gloo all-reduce, all-gather and reduce-scatter of each size (the whole
-    buffer: the all-gather's output, the reduce-scatter's input) between the ranks, by op; with `busy`,
-    while a second thread of each rank multiplies matrices, as a training step's computation runs
-    beside the collectives gloo's threads carry."""
+    buffer: the all-gather's output, the reduce-scatter's input) between the ranks, by op, while a
+    second thread of each rank multiplies matrices, as a training step's computation runs beside the
+    collectives gloo's threads carry."""
     import threading
 
     import torch
 
-    if not busy:
-        return _timed_collectives(world, sizes, repeats)
     torch.set_num_threads(1)  # the rank's one compute thread, as a worker's
     stop, a = threading.Event(), torch.randn(256, 256)
 
@@ -229,13 +226,13 @@ class Loopback(NamedTuple):
     factors: dict  # Device.collective_factors
 
 
-def measure_loopback(repeats: int = 20, busy: bool = True) -> Loopback:
+def measure_loopback(repeats: int = 20) -> Loopback:
     """gloo between two processes of this machine: all-reduces of 4 KiB to 16 MiB, a least-squares line
     (a two-rank all-reduce takes B / bandwidth + 2 latency, as metrics/steptime.py's ring has it with
     n = 2); then all-gathers and reduce-scatters of the same sizes, each op's time over the ring model's
     on that link (the median over the sizes of 1 MiB and more, where bandwidth decides). A few seconds.
 
-    With `busy` (the default) each process multiplies matrices on a second thread meanwhile. In a step
+    Each process multiplies matrices on a second thread meanwhile. In a step
     gloo's threads share the cores with the computation (DDP's and FSDP's reductions run beside the
     backward pass, the other ranks compute while one communicates), and there its collectives take up
     to twice as long as between idle processes: on the idle link the prediction fell short of the
@@ -246,7 +243,7 @@ def measure_loopback(repeats: int = 20, busy: bool = True) -> Loopback:
     from .metrics.comm import Collective
     from .metrics.steptime import Link, collective_seconds
 
-    seconds = run_ranks(2, _collective_seconds, LINK_SIZES, repeats, busy)[0]
+    seconds = run_ranks(2, _collective_seconds, LINK_SIZES, repeats)[0]
     slope, intercept = np.polyfit(np.array(LINK_SIZES, dtype=float), np.array(seconds["all_reduce"]), 1)
     link = Link(float(1.0 / slope), float(max(intercept, 0.0) / 2))
     factors = {op: float(np.median([t / collective_seconds(Collective(op, size, 2), link)

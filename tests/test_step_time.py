@@ -167,14 +167,21 @@ def test_estimate_refuses_an_unknown_device_with_the_catalogue():
 
 def test_workers_beyond_the_cores_left_to_them_share_them():
     """On this machine's CPU: each worker computes at (cores - the other processes' cores) / workers of
-    its peak once they outnumber what is left, never faster than alone."""
+    its peak once they outnumber what is left, never faster than alone. gloo moves the bytes on those
+    cores, so the link shares them too: half a core each, half the bandwidth and each ring step twice
+    as long; workers with a core each keep the link as measured."""
     import os
 
     base = devices.Device("cpu", {"fp32": 1.0}, 0, 0, 0, 0, 0, 1, 1.0, overlaps_communication=False)
     cores = os.cpu_count()
     link = (1e9, 1e-4)
+    alone, over = devices.cpu_workers(base, link, cores), devices.cpu_workers(base, link, 2 * cores)
     assert devices.cpu_workers(base, link, 1).peak_tflops["fp32"] == 1.0
-    assert devices.cpu_workers(base, link, 2 * cores).peak_tflops["fp32"] == pytest.approx(0.5)
+    assert (alone.intra_node_bw, alone.intra_node_latency_s, alone.peak_tflops["fp32"]) == (1e9, 1e-4, 1.0)
+    assert over.peak_tflops["fp32"] == pytest.approx(0.5)
+    assert over.intra_node_bw == over.inter_node_bw == pytest.approx(0.5e9)
+    assert over.intra_node_latency_s == pytest.approx(2e-4)
+    assert (alone.cores_share, over.cores_share) == (1.0, 0.5)
     busy = devices.cpu_workers(base, link, cores, background_cores=0.5)
     assert busy.peak_tflops["fp32"] == pytest.approx((cores - 0.5) / cores)
     assert busy.intra_node_bw == pytest.approx(1e9 * (cores - 0.5) / cores)  # the link too
@@ -217,21 +224,6 @@ def test_a_measured_factor_scales_its_op_and_no_other():
     loopback = devices.Loopback(1e9, 1e-4, {"reduce_scatter": 3.0})
     base = devices.Device("cpu", {"fp32": 1.0}, 0, 0, 0, 0, 0, 1, 1.0, overlaps_communication=False)
     assert devices.cpu_workers(base, loopback, 2).collective_factors == {"reduce_scatter": 3.0}
-
-
-def test_workers_beyond_the_cores_share_the_link_as_they_share_compute(monkeypatch):
-    """gloo moves the bytes on the cores that compute: four workers on two cores each compute at half
-    the peak, and their link runs at half the bandwidth, each ring step taking twice as long; two
-    workers on two cores keep the link as measured."""
-    monkeypatch.setattr(devices.os, "cpu_count", lambda: 2)
-    loopback = devices.Loopback(1e9, 1e-4, {})
-    base = devices.Device("cpu", {"fp32": 1.0}, 0, 0, 0, 0, 0, 1, 1.0, overlaps_communication=False)
-    two, four = devices.cpu_workers(base, loopback, 2), devices.cpu_workers(base, loopback, 4)
-    assert (two.intra_node_bw, two.intra_node_latency_s, two.peak_tflops["fp32"]) == (1e9, 1e-4, 1.0)
-    assert four.peak_tflops["fp32"] == 0.5
-    assert four.intra_node_bw == four.inter_node_bw == 0.5e9
-    assert four.intra_node_latency_s == pytest.approx(2e-4)
-    assert (two.cores_share, four.cores_share) == (1.0, 0.5)
 
 
 def test_the_loopback_is_measured_per_op():
