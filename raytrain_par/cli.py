@@ -489,10 +489,10 @@ def _estimate(spec, args) -> int:
             print("  its spot node type runs the same machines for less, and may be taken back: price the time to the "
                   "target at your spot rate with --price USD_PER_GPU_HOUR")
     if target is not None:
-        ref = target.reference
+        ref, t = target.reference, spec.train
         print(f"reference {target.source}: {spec.target} after {ref.steps:.0f} steps at batch {ref.batch}; gradient "
-              f"noise scale {ref.noise_scale:.1f}, so {ref.steps_to_target(spec.train.global_batch_size):.0f} steps "
-              f"at batch {spec.train.global_batch_size}")
+              f"noise scale {ref.noise_scale:.1f}, so {ref.steps_to_target(t.global_batch_size, t.lr, t.optimizer):.0f} "
+              f"steps at batch {t.global_batch_size} (lr {t.lr:.3g})")
     print(estimate.table(rows, device_memory, device, target))
     if device is not None:
         print("step (s) = compute + comm (what no computation hides) + bubble; figures and their sources: "

@@ -430,7 +430,8 @@ def target_document(r: Row, target: ToTarget | None) -> dict:
     keys = ("steps_to_target", "time_to_target_s", "gpu_hours_to_target", "cost_to_target_usd")
     if target is None or r.note or r.speed is None or r.spec.layout.asynchronous:
         return dict.fromkeys(keys) if target is not None else {}
-    steps = target.reference.steps_to_target(r.spec.train.global_batch_size)
+    t = r.spec.train
+    steps = target.reference.steps_to_target(t.global_batch_size, t.lr, t.optimizer)
     seconds = steps * r.speed.step_s
     gpu_hours = seconds * r.workers / 3600
     price = target.usd_per_gpu_hour

@@ -237,7 +237,7 @@ def predict(p: Plan, reference: Reference, model: ThroughputModel, device_memory
 
         batches = None
         if s.train.adaptive_batch is None:
-            steps = reference.steps_to_target(m)
+            steps = reference.steps_to_target(m, s.train.lr, s.train.optimizer)
             step_time = seconds(adaptive.Shape(m, s.train.gradient_accumulation_steps))
             efficiency = reference.efficiency(m)
         else:
@@ -343,8 +343,8 @@ def lr_notes(p: Plan) -> list[str]:
     """What a plan notes about the sweep's learning rates."""
     if p.sweep.lr_scaling != "none":
         return []
-    return ["sweep.lr_scaling is none: every batch trains with the file's lr, and the prediction assumes one that "
-            "suits each batch (set lr_scaling: sqrt or linear)"]
+    return ["sweep.lr_scaling is none: every batch trains with the file's lr, which may limit progress at batches "
+            "above the reference's; the predicted steps count it (set lr_scaling: sqrt or linear to scale it)"]
 
 
 def run_reference(spec: ExperimentSpec, p: Plan, ref: ExperimentSpec, log) -> Reference:
@@ -354,7 +354,7 @@ def run_reference(spec: ExperimentSpec, p: Plan, ref: ExperimentSpec, log) -> Re
     result = run_experiment(ref, log=lambda *_: None)
     if result.error is not None:
         raise UserError(f"the reference run failed: {result.error}")
-    reference = fit_reference(result.records, p.metric, p.target, p.mode)
+    reference = fit_reference(result.records, p.metric, p.target, p.mode, lr=ref.train.lr)
     if reference is None:
         raise UserError(f"the reference run did not reach {spec.target} in {result.records[-1]['step']} steps "
                         f"(records in {result.results_dir}).\n  fix: raise train.max_steps (or train.epochs), "

@@ -51,6 +51,29 @@ def test_a_noise_scale_that_grows_weighs_each_interval_by_its_steps():
         fit_reference(missing, "val_loss", 9.0, "min")
 
 
+def test_a_learning_rate_that_limits_progress_costs_steps_beyond_the_noise_scale():
+    # two intervals of 64 steps at M0 = 32 and lr0 = 2e-3, noise scales 2 and 90 (records with warm-up)
+    recs = records([2.0, 90.0])
+    for r in recs:
+        r["lr"] = 2e-4 if r["step"] == 0 else 2e-3
+    ref = fit_reference(recs, "val_loss", 10 - 0.01 * 128, "min")
+    assert ref.lr == 2e-3  # the peak the records show
+    noise = [(1 + b / 8) / (1 + b / 32) for b in (2.0, 90.0)]
+    # batch 8 at half the lr (sqrt scaling): where the noise scale is small the learning rate limits,
+    # as lr0 / lr for SGD and that times the root of the noise's ratio for Adam
+    # (for Adam under sqrt scaling the learning rate's ratio is the larger at every smaller batch)
+    assert ref.steps_to_target(8, 1e-3, "adamw") == pytest.approx(64 * 2 * noise[0] ** 0.5 + 64 * 2 * noise[1] ** 0.5)
+    assert ref.steps_to_target(8, 1e-3, "sgd") == pytest.approx(64 * 2 + 64 * noise[1])  # one interval each way
+    # a learning rate that suits the batch: the noise scale's steps alone, the fewest any lr gives
+    assert ref.steps_to_target(8) == pytest.approx(64 * noise[0] + 64 * noise[1])
+    assert ref.steps_to_target(8, 1e-3) > ref.steps_to_target(8)
+    # a larger batch at a larger lr: no fewer steps than the noise scale allows
+    big = [(1 + b / 128) / (1 + b / 32) for b in (2.0, 90.0)]
+    assert ref.steps_to_target(128, 8e-3, "adamw") == pytest.approx(64 * big[0] + 64 * big[1])
+    assert ref.steps_to_target(32, 2e-3, "adamw") == pytest.approx(128)  # the reference itself
+    assert fit_reference(recs, "val_loss", 10 - 0.01 * 128, "min", lr=1e-3).lr == 1e-3
+
+
 def test_every_point_is_predicted_ranked_and_sized():
     spec = config.parse({**BASE, "sweep": {"grid": {"scaling.num_workers": [1, 2], "train.global_batch_size": [8, 32],
                                                     "strategy": [{"name": "ddp"}, {"name": "fsdp"}]},

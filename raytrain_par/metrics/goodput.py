@@ -72,11 +72,17 @@ class NoiseScale:
 
 # -- time-to-target predicted from one reference run -------------------------------------------------
 
+#: optimizers whose update divides the gradient by the root of its second moment (LAMB's inner update is
+#: Adam's): where the learning rate limits progress, a step's progress goes as lr / sqrt(1 + B / M)
+ADAPTIVE_OPTIMIZERS = ("adamw", "lamb")
+
+
 @dataclass
 class Reference:
     """What one run at global batch `batch` says about every other batch size: it reached the target
     after `steps` optimizer steps, `min_steps` (S_min) is what an infinitely large batch would need, and
-    `noise_scale` (B_noise) the noise scale averaged as the steps weigh it."""
+    `noise_scale` (B_noise) the noise scale averaged as the steps weigh it. `lr`: the peak learning rate
+    it trained with (None: not known)."""
 
     batch: int
     steps: float
@@ -85,10 +91,30 @@ class Reference:
     # each interval between evaluations up to the target: (its S_min, the noise scale measured over it);
     # an adaptive batch is predicted interval by interval (none: one interval of the averages)
     intervals: list[tuple[float, float]] = field(default_factory=list)
+    lr: float | None = None
 
-    def steps_to_target(self, batch: int) -> float:
-        """S = S_min (1 + B_noise / M): McCandlish et al., equation 2.11."""
-        return self.min_steps * (1 + self.noise_scale / batch)
+    def steps_to_target(self, batch: int, lr: float | None = None, optimizer: str = "adamw") -> float:
+        """Steps to the target at global batch M trained with learning rate `lr` (None: one that suits M).
+
+        At a learning rate that suits each batch, S = S_min (1 + B_noise / M) (McCandlish et al., equation
+        2.11), interval by interval. That is the fewest steps any learning rate gives at M; a learning rate
+        scaled by a rule (sqrt, linear) or left as it is may give more. Where the learning rate limits
+        progress (small steps: the loss falls by lr times the gradient's projection on the update, the
+        curvature's term negligible), each step goes as lr for SGD, and as lr / sqrt(1 + B / M) for Adam
+        and LAMB: their update divides the gradient by the root of its second moment, |G|^2 + tr(Sigma) / M
+        per element, so the noise a smaller batch adds shrinks the part of the update that follows G.
+        Against the reference's interval (lr0, M0), the steps at (lr, M) are the larger of the two
+        ratios, the noise's (1 + B/M) / (1 + B/M0) and the learning rate's (lr0 / lr) (Adam:
+        x sqrt((1 + B/M) / (1 + B/M0))). docs/plan-unprobed.md checks both against runs to the target."""
+        if lr is None or self.lr is None:
+            return self.min_steps * (1 + self.noise_scale / batch)
+        slower = self.lr / lr
+        total = 0.0
+        for s_min, b in self.intervals or [(self.min_steps, self.noise_scale)]:
+            noise = (1 + b / batch) / (1 + b / self.batch)
+            limited = slower * (noise ** 0.5 if optimizer in ADAPTIVE_OPTIMIZERS else 1.0)
+            total += s_min * (1 + b / self.batch) * max(noise, limited)
+        return total
 
     def efficiency(self, batch: int) -> float:
         """Statistical efficiency against the reference batch M0, (B_noise + M0) / (B_noise + M) (Pollux):
@@ -96,7 +122,8 @@ class Reference:
         return efficiency(self.noise_scale, batch, self.batch)
 
 
-def fit_reference(records: list[dict], metric: str, target: float, mode: str) -> Reference | None:
+def fit_reference(records: list[dict], metric: str, target: float, mode: str, lr: float | None = None
+                  ) -> Reference | None:
     """S_min and B_noise from one run's records (each with `step` and `grad_noise_scale`, which changes
     as training goes). Every interval between evaluations, up to where the target was reached, adds
     its steps at the batch M0 it ran at and the noise scale measured over it; S(M) = S_min (1 + B/M)
@@ -105,12 +132,15 @@ def fit_reference(records: list[dict], metric: str, target: float, mode: str) ->
         S_min = sum_i dS_i / (1 + B_i / M0),   B_noise = sum_i B_i dS_i / (1 + B_i / M0) / S_min,
 
     and S_min (1 + B_noise / M) is the sum of every interval's steps at batch M. None where the run
-    never reached the target. An interval without a measurement takes the next one's."""
+    never reached the target. An interval without a measurement takes the next one's. `lr`: the peak
+    learning rate the run trained with (default: the largest `lr` its records show up to the target)."""
     records = sorted(records, key=lambda r: r["step"])
     reached = crossing(records, metric, target, mode, "step")
     if reached is None:
         return None
     batch = int(records[-1]["global_batch_size"])
+    if lr is None:
+        lr = max((r["lr"] for r in records if r.get("lr") and r["step"] <= reached), default=None)
     noise = [r.get("grad_noise_scale") for r in records]
     for i in range(len(noise) - 2, -1, -1):
         noise[i] = noise[i] if noise[i] is not None else noise[i + 1]
@@ -127,5 +157,5 @@ def fit_reference(records: list[dict], metric: str, target: float, mode: str) ->
         weighted += b * s_min
         intervals.append((s_min, b))
     if min_steps == 0:  # met before the first step: nothing to scale
-        return Reference(batch, reached, reached, 0.0)
-    return Reference(batch, reached, min_steps, weighted / min_steps, intervals)
+        return Reference(batch, reached, reached, 0.0, lr=lr)
+    return Reference(batch, reached, min_steps, weighted / min_steps, intervals, lr)
