@@ -7,9 +7,9 @@ One embedded Ray cluster, one job at a time. First the plan: its reference run (
 the target, measuring the gradient noise scale; the plan does not use its step times) and one probe run
 timing ddp on one worker at each batch of the grid. Each point on two workers is then predicted by the
 step-time model (`raytrain-par estimate`'s, metrics/steptime.py) on this machine's CPU, its loopback
-link measured and its achievable fraction calibrated on the one-worker probes, times the steps the
-reference's noise scale predicts at that batch. Then every two-worker point trains to the target, and
-its measured time to the target (training seconds, as `time_to_target_s` counts them) is compared with
+link measured and its achievable fraction and per-step overhead fitted to the one-worker probes, times
+the steps the reference's noise scale predicts at that batch and its learning rate. Then every
+two-worker point trains to the target, and its measured time to the target (training seconds, as `time_to_target_s` counts them) is compared with
 the prediction, split into steps and seconds per step.
 
 Target: every two-worker point's predicted time to the target within 20% of the measured one. Prints a
@@ -95,6 +95,7 @@ def main(argv=None) -> int:
                f"time to target, the worst {worst['point']} {f(worst['error'], '+.0%')} (target: every point): "
                f"**{'met' if met else 'NOT met'}**")
     path = write_json("plan_unprobed", {"rows": rows, "probes_s": probes, "achievable": result.achievable,
+                                        "step_overhead_s": result.step_overhead_s,
                                         "background_cores": result.background_cores,
                                         "reference": {"batch": result.reference.batch,
                                                       "steps": result.reference.steps,
@@ -110,11 +111,13 @@ batch 8, 16, 32 (ddp), on one embedded Ray cluster of this machine's CPU, one jo
 `raytrain-par plan --probe-workers 1` ([sweeps.md](sweeps.md#predict-worker-counts-no-probe-ran)): the
 reference trained to the target at batch {ref.batch} ({ref.steps:.1f} steps; gradient noise scale
 {ref.noise_scale:.1f}); one probe run timed ddp on one worker at each batch. Every two-worker point's step is
-`raytrain-par estimate`'s model on this CPU (the loopback link measured, the achievable fraction
-calibrated on the one-worker probes: {', '.join(f'{k} {v:.2f}' for k, v in result.achievable.items())};
+`raytrain-par estimate`'s model on this CPU (the loopback link measured, the achievable fraction and
+the overhead per step fitted to the one-worker probes: {', '.join(
+    f'{k} {v:.2f} and {result.step_overhead_s.get(k, 0) * 1e3:.1f} ms' for k, v in result.achievable.items())};
 the machine's other processes, Ray's own among them, kept {result.background_cores:.2f} of its
 {os.cpu_count()} cores busy during the probes, and two workers share what is left), and its steps
-S_min (1 + B_noise / M). The one-worker probes, seconds per step: {', '.join(f'{k} {v:.3f}' for k, v in probes.items())}. Then each two-worker point
+the reference's at the lr the sweep's rule gives the batch (`Reference.steps_to_target`: S_min (1 + B_noise / M),
+or more where the lr limits progress). The one-worker probes, seconds per step: {', '.join(f'{k} {v:.3f}' for k, v in probes.items())}. Then each two-worker point
 trained to the target; "measured" is its training time to the target (`time_to_target_s`), its steps to
 the crossing and its median seconds per step.
 

@@ -63,6 +63,11 @@ class Device:
     # cores (this machine's CPU: cpu_workers); 1 where each has its own accelerator. Below 1, ranks
     # that wait leave their cores to those that compute (metrics/steptime.py: the pipeline's bubble).
     cores_share: float = 1.0
+    # seconds each step takes beyond its FLOPs at the achievable rate, whatever its batch: the optimizer's
+    # update, zeroing the gradients, each operator's dispatch. What `plan`'s probes at several batches fit
+    # beside the achievable fraction on this machine (goodput.Calibrated); 0 in the catalogue, where no
+    # run measured it (--set-device step_overhead_s=MS).
+    step_overhead_s: float = 0.0
 
     def peak(self, precision: str) -> float:
         """FLOP/s of the dtype a run computes in: bf16/fp16 on the tensor cores, fp32 on the plain FP32
@@ -259,14 +264,15 @@ def cpu_workers(base: Device, link: tuple[float, float], workers: int, threads_p
     `background_cores` its other processes keep busy) they share them, each computing at
     (cores - background) / (workers x threads) of its peak. gloo moves and sums the bytes on the same
     cores, so the link shares them too: its bandwidth at that share, each ring step's latency over it
-    (`link` was measured with two processes, one core each)."""
+    (`link` was measured with two processes, one core each). The step's overhead (Device.step_overhead_s)
+    runs on the cores too: over the same share."""
     cores = max((os.cpu_count() or 1) - background_cores, 0.1)
     share = min(1.0, cores / (workers * threads_per_worker))
     bandwidth, latency = link[0] * share, link[1] / share
     return replace(base, peak_tflops={k: v * share for k, v in base.peak_tflops.items()}, intra_node_bw=bandwidth,
                    inter_node_bw=bandwidth, intra_node_latency_s=latency, inter_node_latency_s=latency,
                    gpus_per_node=max(workers, 1), collective_factors=dict(getattr(link, "factors", {})),
-                   cores_share=share,
+                   cores_share=share, step_overhead_s=base.step_overhead_s / share,
                    sources={**base.sources,
                             "intra_node_bw": "measured here: gloo all-reduces between two processes, each computing "
                                              "beside them; times the cores' share per worker",
@@ -321,9 +327,9 @@ def record_achievable(cuda_name: str, fraction: float, source: str) -> str | Non
 
 #: fields --set-device may override, and how a value is read
 SCALES = {"memory_bytes": GIB, "intra_node_bw": GB, "inter_node_bw": GB, "intra_node_latency_s": US,
-          "inter_node_latency_s": US}
+          "inter_node_latency_s": US, "step_overhead_s": 1e-3}
 UNITS = {"memory_bytes": "GiB", "intra_node_bw": "GB/s", "inter_node_bw": "GB/s", "intra_node_latency_s": "us",
-         "inter_node_latency_s": "us", "gpus_per_node": "", "achievable": "(fraction)"}
+         "inter_node_latency_s": "us", "gpus_per_node": "", "achievable": "(fraction)", "step_overhead_s": "ms"}
 
 
 def device(name: str, overrides: dict[str, str] | None = None, gpus_per_node: int | None = None) -> Device:
@@ -349,9 +355,9 @@ def device(name: str, overrides: dict[str, str] | None = None, gpus_per_node: in
         except ValueError:
             raise UserError(f"--set-device {key}={text}: not a number.\n  fix: a number in {UNITS[key] or 'units'}, "
                             f"e.g. {key}=8") from None
-        if value <= 0 or (key == "achievable" and value > 1):
-            raise UserError(f"--set-device {key}={text}: out of range.\n  fix: "
-                            + ("a fraction in (0, 1]" if key == "achievable" else "a positive number"))
+        if (value < 0 if key == "step_overhead_s" else value <= 0) or (key == "achievable" and value > 1):
+            wanted = {"achievable": "a fraction in (0, 1]", "step_overhead_s": "a number of milliseconds, 0 or more"}
+            raise UserError(f"--set-device {key}={text}: out of range.\n  fix: {wanted.get(key, 'a positive number')}")
         changes[key] = int(value) if key == "gpus_per_node" else value * SCALES.get(key, 1)
         sources[key] = "given on the command line"
     if gpus_per_node is not None:

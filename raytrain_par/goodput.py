@@ -73,6 +73,7 @@ class GoodputPlan:
     seconds: float = 0.0  # the plan's own time, start-up included
     achievable: dict[str, float] = field(default_factory=dict)  # by strategy: Calibrated's, with --probe-workers
     background_cores: float | None = None  # Calibrated's: cores the machine's other processes kept busy
+    step_overhead_s: dict[str, float] = field(default_factory=dict)  # by strategy: Calibrated's
 
 
 def strategy_key(spec: ExperimentSpec) -> str:
@@ -172,9 +173,13 @@ def _probe(specs: dict[str, ExperimentSpec], storage: Path, log) -> tuple[dict[s
 class Calibrated:
     """Step times at worker counts no probe ran: `raytrain-par estimate`'s model of the step (metrics/
     steptime.py: the layout's collectives on the device's links, its FLOPs at the device's peak), with the
-    achievable fraction of each strategy measured by its probes, as the one figure a device's catalogue
-    entry allows fitting. A probe's step, m = (compute + bubble) / a + exposed communication at a = 1, gives
-    a; a strategy's is the median over its probes.
+    achievable fraction a of each strategy, and its per-step overhead o, measured by its probes. A probe's
+    step is m = o / s + (compute + bubble) / a + exposed communication, the parts taken at a = 1 and o = 0
+    (s: the share of a core each worker had: devices.cpu_workers). Probes at two batch sizes or more give
+    both by least squares: o is what the step takes whatever its batch (the optimizer's update, each
+    operator's dispatch), which a fraction alone would charge to the FLOPs, so that a smaller batch per
+    worker was predicted too fast. One batch, or a fit that leaves no positive pair, gives the median of
+    the probes' a with o = 0: the catalogue's one fitted figure.
 
     On this machine's CPU (`device` None) the device is `devices.cpu()` with the loopback link measured and
     the cores shared once the workers outnumber the cores the machine's other processes leave them
@@ -186,18 +191,21 @@ class Calibrated:
         self.base, self.link, self.background_cores = device, None, background_cores
         if device is None:
             self.base, self.link = devices.cpu(), devices.measure_loopback()
-        fractions: dict[str, list[float]] = {}
+        points: dict[str, list[tuple[float, float, float]]] = {}  # (1 / s, work at a = 1, busy)
         for s, measured in probes:
-            t = estimate.step_time(s, self._device(s, 1.0))
+            d = self._device(s, 1.0, 1.0)  # an overhead of 1 s as the probe's workers stretch it: 1 / s
+            t = estimate.step_time(s, replace(d, step_overhead_s=0.0))
             if measured > t.exposed_comm_s:
-                busy = measured - t.exposed_comm_s
-                fractions.setdefault(strategy_key(s), []).append((t.compute_s + t.bubble_s) / busy)
-        self.achievable = {k: statistics.median(v) for k, v in fractions.items()}
+                points.setdefault(strategy_key(s), []).append(
+                    (d.step_overhead_s, t.compute_s + t.bubble_s, measured - t.exposed_comm_s))
+        self.achievable, self.overhead_s = {}, {}
+        for key, rows in points.items():
+            self.achievable[key], self.overhead_s[key] = _fit_fraction(rows)
 
-    def _device(self, s: ExperimentSpec, achievable: float):
+    def _device(self, s: ExperimentSpec, achievable: float, overhead_s: float = 0.0):
         from . import devices
 
-        d = self.base
+        d = replace(self.base, step_overhead_s=overhead_s)
         if self.link is not None:
             d = devices.cpu_workers(d, self.link, s.scaling.num_workers, max(1, int(s.scaling.cpus_per_worker)),
                                     self.background_cores)
@@ -207,7 +215,25 @@ class Calibrated:
         key = strategy_key(s)
         if key not in self.achievable:
             raise KeyError(f"no probe of {s.strategy.name} measured its achievable fraction")
-        return estimate.step_time(s, self._device(s, self.achievable[key])).step_s
+        return estimate.step_time(s, self._device(s, self.achievable[key], self.overhead_s[key])).step_s
+
+
+def _fit_fraction(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(a, o) with busy = o u + work / a over rows (u, work, busy) by least squares, where the works
+    differ by a tenth or more and the fit gives a > 0 and o >= 0; else (median of work / busy, 0)."""
+    works = [w for _, w, _ in rows]
+    if len(rows) >= 2 and max(works) >= 1.1 * min(works):
+        suu = sum(u * u for u, _, _ in rows)
+        sww = sum(w * w for _, w, _ in rows)
+        suw = sum(u * w for u, w, _ in rows)
+        suy = sum(u * y for u, _, y in rows)
+        swy = sum(w * y for _, w, y in rows)
+        det = suu * sww - suw * suw
+        if det > 0:
+            o, k = (sww * suy - suw * swy) / det, (suu * swy - suw * suy) / det
+            if o >= 0 and k > 0:
+                return 1 / k, o
+    return statistics.median(w / y for _, w, y in rows), 0.0
 
 
 def predict(p: Plan, reference: Reference, model: ThroughputModel, device_memory: int | None = None,
@@ -483,15 +509,17 @@ def make_plan(spec: ExperimentSpec, address: str | None = None, device_memory: i
     calibrated = None
     if probe_workers is not None:
         calibrated = Calibrated(measured, background_cores=statistics.median(background))
-        log("achievable fraction of the probed peak, from the probes: " + ", ".join(
-            f"{json.loads(k)['name']} {a:.2f}" for k, a in calibrated.achievable.items())
+        log("achievable fraction of the probed peak and overhead per step, from the probes: " + ", ".join(
+            f"{json.loads(k)['name']} {a:.2f} + {calibrated.overhead_s[k] * 1e3:.1f} ms"
+            for k, a in calibrated.achievable.items())
             + f"; the machine's other processes kept {calibrated.background_cores:.2f} cores busy")
     rows = predict(p, reference, model, device_memory,
                    {(q.strategy, q.workers, q.local_batch, q.accumulation): q.step_time_s for q in probes}, calibrated)
     path = write_table(spec.results_dir / "plan.parquet", rows)
     achievable = {json.loads(k)["name"]: a for k, a in calibrated.achievable.items()} if calibrated else {}
+    overhead = {json.loads(k)["name"]: o for k, o in calibrated.overhead_s.items()} if calibrated else {}
     return GoodputPlan(rows, reference, model, notes, path, time.perf_counter() - t0, achievable,
-                       calibrated.background_cores if calibrated else None)
+                       calibrated.background_cores if calibrated else None, overhead)
 
 
 def plan_table(rows: list[dict]) -> str:

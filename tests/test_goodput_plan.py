@@ -117,14 +117,23 @@ def test_unprobed_worker_counts_take_the_step_model_calibrated_on_the_probes():
     assert {s.scaling.num_workers for s in one} == {1} and len(one) == 4
     device = devices.device("a100-80gb", {"achievable": "1"})
     truth = {"ddp": 0.3, "zero-2": 0.2}  # the fractions the "measured" probes reach
+    overhead = {"ddp": 0.004, "zero-2": 0.0}  # and what each step takes beside its FLOPs
 
     def measured(s):
-        return estimate.step_time(s, replace(device, achievable=truth[s.strategy.name])).step_s
+        return estimate.step_time(s, replace(device, achievable=truth[s.strategy.name],
+                                             step_overhead_s=overhead[s.strategy.name])).step_s
 
     calibrated = Calibrated([(s, measured(s)) for s in one], device)
     for s in specs:
         assert calibrated.achievable[strategy_key(s)] == pytest.approx(truth[s.strategy.name])
+        assert calibrated.overhead_s[strategy_key(s)] == pytest.approx(overhead[s.strategy.name], abs=1e-9)
         assert calibrated.step_time(s) == pytest.approx(measured(s))
+    # a fraction alone, from probes at one batch, charges the overhead to the FLOPs
+    at_8 = [s for s in one if s.train.global_batch_size == 8]
+    alone = Calibrated([(s, measured(s)) for s in at_8], device)
+    ddp = [s for s in specs if s.strategy.name == "ddp"]
+    assert all(v == 0.0 for v in alone.overhead_s.values())
+    assert alone.step_time(ddp[-1]) > measured(ddp[-1]) * 1.01
     ref = Reference(batch=16, steps=300.0, min_steps=100.0, noise_scale=32.0)
     probed = {(strategy_key(s), 1, s.per_worker_batch, 1): measured(s) for s in one}
     rows = predict(p, ref, ThroughputModel({}), probed=probed, calibrated=calibrated)

@@ -62,6 +62,9 @@ def test_ddp_hides_its_all_reduce_behind_the_backward_pass_until_it_is_longer(ti
     # across nodes (one GPU a node) the same bytes take ten times as long
     far = step_time(layout, tiny, step, 2 * 3e-3 * 10e12, replace(DEVICE, gpus_per_node=1), "fp32")
     assert far.comm_s == pytest.approx(10 * t.comm_s)
+    # the per-step overhead (the optimizer's update) adds to the computation and hides nothing
+    slow = step_time(layout, tiny, step, 2 * 1.5e-3 * 10e12, replace(DEVICE, step_overhead_s=2e-3), "fp32")
+    assert slow.compute_s == pytest.approx(1.5e-3 + 2e-3) and slow.exposed_comm_s == pytest.approx(t.exposed_comm_s)
 
 
 def test_where_collectives_share_the_computing_cores_nothing_hides_them(tiny):
@@ -130,6 +133,10 @@ def test_the_command_line_overrides_a_figure_and_refuses_a_bad_one():
         devices.device("h200", {"nvlink": "900"})
     with pytest.raises(UserError, match="fraction"):
         devices.device("h200", {"achievable": "1.5"})
+    assert devices.device("h200", {"step_overhead_s": "2"}).step_overhead_s == pytest.approx(2e-3)  # ms
+    assert devices.device("h200", {"step_overhead_s": "0"}).step_overhead_s == 0.0
+    with pytest.raises(UserError, match="milliseconds, 0 or more"):
+        devices.device("h200", {"step_overhead_s": "-1"})
     with pytest.raises(UserError, match="no bf16 peak"):
         devices.device("v100-32gb").peak("bf16")
 
@@ -169,10 +176,11 @@ def test_workers_beyond_the_cores_left_to_them_share_them():
     """On this machine's CPU: each worker computes at (cores - the other processes' cores) / workers of
     its peak once they outnumber what is left, never faster than alone. gloo moves the bytes on those
     cores, so the link shares them too: half a core each, half the bandwidth and each ring step twice
-    as long; workers with a core each keep the link as measured."""
+    as long; workers with a core each keep the link as measured. So does the step's overhead."""
     import os
 
-    base = devices.Device("cpu", {"fp32": 1.0}, 0, 0, 0, 0, 0, 1, 1.0, overlaps_communication=False)
+    base = devices.Device("cpu", {"fp32": 1.0}, 0, 0, 0, 0, 0, 1, 1.0, overlaps_communication=False,
+                          step_overhead_s=0.01)
     cores = os.cpu_count()
     link = (1e9, 1e-4)
     alone, over = devices.cpu_workers(base, link, cores), devices.cpu_workers(base, link, 2 * cores)
@@ -182,6 +190,7 @@ def test_workers_beyond_the_cores_left_to_them_share_them():
     assert over.intra_node_bw == over.inter_node_bw == pytest.approx(0.5e9)
     assert over.intra_node_latency_s == pytest.approx(2e-4)
     assert (alone.cores_share, over.cores_share) == (1.0, 0.5)
+    assert (alone.step_overhead_s, over.step_overhead_s) == (0.01, pytest.approx(0.02))
     busy = devices.cpu_workers(base, link, cores, background_cores=0.5)
     assert busy.peak_tflops["fp32"] == pytest.approx((cores - 0.5) / cores)
     assert busy.intra_node_bw == pytest.approx(1e9 * (cores - 0.5) / cores)  # the link too

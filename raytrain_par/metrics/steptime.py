@@ -4,6 +4,8 @@ computation, the communication no computation hides, and the pipeline's bubble.
 - Compute: the step's model FLOPs (metrics/flops.py, counted on the meta device; with activation
   checkpointing the checkpointed modules' forward pass again, counted the same way) split evenly over
   the workers, at the device's peak for the run's precision times its achievable fraction.
+  Beside them, the device's per-step overhead (Device.step_overhead_s: the optimizer's update and each
+  operator's dispatch, whatever the batch), which hides no communication.
 - Communication: the step's collectives as comm.py predicts them for the layout (the bytes our
   engines send, checked against counts on gloo), each costed on the link its group crosses: inside a
   node where all its ranks share one (`gpus_per_node` consecutive ranks a node), else across nodes.
@@ -87,7 +89,7 @@ def group_crosses_nodes(layout, dim: str, gpus_per_node: int) -> bool:
 
 @dataclass(frozen=True)
 class StepTime:
-    compute_s: float  # this worker's share of the step's FLOPs at the achievable rate
+    compute_s: float  # this worker's share of the step's FLOPs at the achievable rate, and the per-step overhead
     comm_s: float  # every collective's time, hidden or not
     exposed_comm_s: float  # what no computation hides
     bubble_s: float
@@ -143,7 +145,7 @@ def timed(layout, by_rank: list[list[Collective]], flops_per_step: float, device
         if worst is None or exposed > worst[1]:
             worst = (total, exposed, size)
     total, exposed, size = worst
-    return StepTime(compute, total, exposed, bubble, flops_per_step, size)
+    return StepTime(compute + device.step_overhead_s, total, exposed, bubble, flops_per_step, size)
 
 
 def _costed(collectives: list[Collective], links: dict[str, Link], compute: float, P: int, overlaps: bool = True,
