@@ -9,8 +9,8 @@ timing ddp on one worker at each batch of the grid. Each point on two workers is
 step-time model (`raytrain-par estimate`'s, metrics/steptime.py) on this machine's CPU, its loopback
 link measured and its achievable fraction and per-step overhead fitted to the one-worker probes, times
 the steps the reference's noise scale predicts at that batch and its learning rate. Then every
-two-worker point trains to the target, and its measured time to the target (training seconds, as `time_to_target_s` counts them) is compared with
-the prediction, split into steps and seconds per step.
+two-worker point trains to the target, and its measured time to the target (training seconds, as
+`time_to_target_s` counts them) is compared with the prediction, split into steps and seconds per step.
 
 Target: every two-worker point's predicted time to the target within 20% of the measured one. Prints a
 table and writes benchmarks/results/plan_unprobed.json, docs/plan-unprobed.md and README.md's line.
