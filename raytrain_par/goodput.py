@@ -59,7 +59,7 @@ from .sweep import Plan, check_goodput, describe, plan as sweep_plan
 from .tables import text_table
 from .worker import probe_loop_per_worker
 
-PROBE_WARMUP, PROBE_STEPS = 2, 4
+PROBE_WARMUP, PROBE_STEPS = 2, 5
 PROBE_BATCHES = 4  # per-worker batches probed per strategy and worker count, at most
 
 

@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from contextlib import contextmanager
@@ -584,12 +585,15 @@ def memory_train_loader(spec: ExperimentSpec, arrays: dict[str, torch.Tensor]):
 
 def time_steps(spec: ExperimentSpec, info: DatasetInfo, ctx: DistContext, arrays: dict[str, torch.Tensor],
                warmup: int, steps: int) -> tuple[float, float]:
-    """Seconds per optimizer step of `spec`'s engine, over `steps` steps after `warmup` (the engine's
+    """Seconds per optimizer step of `spec`'s engine over `steps` steps after `warmup` (the engine's
     start-up and first steps, which allocate and compile, excluded): the throughput probe of
-    `raytrain-par plan`. Every worker starts and ends the timed window together. Also the cores the
-    machine's other processes kept busy meanwhile (Ray's own, the driver's): the machine's busy CPU
-    time less the workers' own, over the window (`background_cores`; meaningful where the workers
-    share one machine, as on a local cluster)."""
+    `raytrain-par plan`. Each step is timed to its loss on the host (a device that runs ahead is waited
+    for) and the probe's time is the median step, the slowest worker's: a probe of a few steps on a
+    machine others share reads one step the host slowed as a slower engine otherwise, and the runs it
+    predicts report their median step too. Every worker starts and ends the timed window together. Also
+    the cores the machine's other processes kept busy meanwhile (Ray's own, the driver's): the machine's
+    busy CPU time less the workers' own, over the window (`background_cores`; meaningful where the
+    workers share one machine, as on a local cluster)."""
     import psutil
 
     me = psutil.Process()
@@ -599,19 +603,28 @@ def time_steps(spec: ExperimentSpec, info: DatasetInfo, ctx: DistContext, arrays
     del model
     loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
     batches = (b for epoch in itertools.count() for b in loader.epoch(epoch))
-    t0 = None
+    t0 = last = None
+    times = []
     for i, batch in enumerate(itertools.islice(batches, warmup + steps)):
         if i == warmup:  # waits for the device and for every worker
             float(engine.dp_sum(torch.zeros((), device=engine.device)))
             t0, busy0, own0 = time.perf_counter(), _machine_busy_s(), sum(me.cpu_times()[:2])
+            last = t0
         loss = engine.train_step(batch)
+        if last is not None:
+            float(loss.detach().float())
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
     float(engine.dp_sum(loss.detach().float()))
     wall = time.perf_counter() - t0
     own = torch.tensor([sum(me.cpu_times()[:2]) - own0], dtype=torch.float64, device=engine.device)
+    step = torch.tensor([statistics.median(times)], dtype=torch.float64, device=engine.device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(own)  # every worker's own CPU seconds
+        torch.distributed.all_reduce(step, op=torch.distributed.ReduceOp.MAX)
     background = max(0.0, (_machine_busy_s() - busy0 - float(own)) / wall)
-    return wall / steps, background
+    return float(step), background
 
 
 def _machine_busy_s() -> float:

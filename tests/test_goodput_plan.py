@@ -7,6 +7,7 @@ import re
 
 import pytest
 import yaml
+from engines import experiment
 
 from raytrain_par import cli, config, driver
 from raytrain_par.errors import ConfigError
@@ -436,3 +437,38 @@ def test_a_plan_probing_one_worker_models_the_two_worker_points(ray_cluster, tmp
     assert by[1, 8]["predicted_step_time_s"] == pytest.approx(probed["ddp-w1-local8"])
     # two workers compute half the rows each: a shorter step than one worker's at the same batch
     assert 0 < by[2, 16]["predicted_step_time_s"] < by[1, 16]["predicted_step_time_s"]
+
+
+def test_a_probe_reads_its_median_step_so_one_step_the_host_slows_does_not_count(info, monkeypatch):
+    """The throughput probe times each step and takes the median: one step stalled by a second (the host
+    busy elsewhere) leaves it near the others, where the window's mean would be over 0.2 s a step."""
+    import time
+
+    import torch
+
+    from raytrain_par import strategies, worker
+    from raytrain_par.data.shards import DatasetInfo, read_split
+    from raytrain_par.strategies import DistContext
+
+    built = strategies.build_engine
+
+    def stalling(*args, **kwargs):
+        engine = built(*args, **kwargs)
+        step, calls = engine.train_step, []
+
+        def train_step(batch):
+            calls.append(1)
+            if len(calls) == 4:  # the second timed step
+                time.sleep(1.0)
+            return step(batch)
+
+        engine.train_step = train_step
+        return engine
+
+    monkeypatch.setattr(strategies, "build_engine", stalling)
+    spec = config.from_dict(experiment(batch=4))
+    data_info = DatasetInfo.from_json(info("kjv"))
+    seconds, background = worker.time_steps(spec, data_info, DistContext(), read_split(data_info, data_info.train_path),
+                                            warmup=2, steps=5)
+    assert 0 < seconds < 0.2 and background >= 0
+    assert not torch.distributed.is_initialized()
