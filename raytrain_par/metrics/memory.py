@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 import resource
 import sys
@@ -146,6 +147,28 @@ def allocated_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return int(torch.cuda.memory_allocated(device))
     return heap_in_use_bytes()
+
+
+def held_bytes(device: torch.device) -> int | None:
+    """`allocated_bytes` once Python's cycle collector has run. Tensors that only reference cycles still
+    point at (an autograd graph, an engine's internal objects) are garbage, not model state, and when
+    the collector frees them depends on the process's whole allocation history: the same ZeRO-2 step
+    counted 125 MB in a process of its own and 159 MB among other tests (and 137 MB with the collector
+    off). Collected first, the count is what live objects hold. The collection is cheap once
+    `settle_collector` has run: it scans only the objects made since."""
+    gc.collect()
+    return allocated_bytes(device)
+
+
+def settle_collector() -> None:
+    """A full collection, then every object alive moved to the collector's permanent generation
+    (gc.freeze): the modules imported so far and the objects they made, half a million with torch,
+    DeepSpeed and transformers, are not scanned again, and each later full collection (`held_bytes`)
+    takes under a millisecond instead of a quarter of a second. Frozen objects are still freed when
+    nothing refers to them; only a reference cycle among them that later becomes garbage is kept.
+    Run where an engine is built, before it notes what the allocator holds."""
+    gc.collect()
+    gc.freeze()
 
 
 def available_host_memory() -> int:

@@ -24,8 +24,8 @@ from torch import nn
 
 from ..metrics import adaptive
 from ..metrics.goodput import NoiseScale
-from ..metrics.memory import (Sharding, StateBytes, allocated_bytes, model_state_census, model_state_theory,
-                              optimizer_state_bytes, peak_bytes, storage_bytes)
+from ..metrics.memory import (Sharding, StateBytes, allocated_bytes, held_bytes, model_state_census,
+                              model_state_theory, optimizer_state_bytes, peak_bytes, settle_collector, storage_bytes)
 from .. import models
 from ..models import checkpoint_activations, parameter_count
 from .context import DTYPES, DistContext
@@ -90,7 +90,9 @@ class Engine(ABC):
         # MB of modules, not model state): import it first (by importlib: an `import torch._dynamo`
         # here would make `torch` a local name of this method, unbound in the lines above it).
         importlib.import_module("torch._dynamo")
-
+        # Garbage of what ran before (an earlier engine's cycles) freed, and the rest frozen, so that the
+        # counts below, each after a full collection, cost a millisecond (metrics/memory.py).
+        settle_collector()
         in_use = allocated_bytes(self.device)
         on_device = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == self.device.type]
         self._baseline = None if in_use is None else in_use - storage_bytes(on_device)
@@ -321,7 +323,7 @@ class Engine(ABC):
         the census of live tensors, and the theory for this strategy and worker count."""
         out = self.census()
         census = out["mem_param_bytes"] + out["mem_grad_bytes"] + out["mem_optim_bytes"]
-        in_use = allocated_bytes(self.device)
+        in_use = held_bytes(self.device)
         held = in_use - self._baseline if in_use is not None and self._baseline is not None else census
         out["mem_model_state_bytes"] = held
         out["mem_model_state_census_bytes"] = census
