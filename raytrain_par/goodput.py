@@ -41,9 +41,11 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import ray.train
 from ray.tune import Stopper
 from ray.tune.search import Searcher
+from scipy.optimize import nnls
 
 from . import data as data_sets
 from . import estimate
@@ -193,11 +195,11 @@ class Calibrated:
             self.base, self.link = devices.cpu(), devices.measure_loopback()
         points: dict[str, list[tuple[float, float, float]]] = {}  # (1 / s, work at a = 1, busy)
         for s, measured in probes:
-            d = self._device(s, 1.0, 1.0)  # an overhead of 1 s as the probe's workers stretch it: 1 / s
-            t = estimate.step_time(s, replace(d, step_overhead_s=0.0))
+            d = self._device(s, 1.0)
+            t = estimate.step_time(s, d)
             if measured > t.exposed_comm_s:
                 points.setdefault(strategy_key(s), []).append(
-                    (d.step_overhead_s, t.compute_s + t.bubble_s, measured - t.exposed_comm_s))
+                    (1 / d.cores_share, t.compute_s + t.bubble_s, measured - t.exposed_comm_s))
         self.achievable, self.overhead_s = {}, {}
         for key, rows in points.items():
             self.achievable[key], self.overhead_s[key] = _fit_fraction(rows)
@@ -219,20 +221,14 @@ class Calibrated:
 
 
 def _fit_fraction(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """(a, o) with busy = o u + work / a over rows (u, work, busy) by least squares, where the works
-    differ by a tenth or more and the fit gives a > 0 and o >= 0; else (median of work / busy, 0)."""
+    """(a, o) with busy = o u + work / a over rows (u, work, busy), by the non-negative least squares the
+    throughput model fits with (metrics/throughput.py), where the works differ by a tenth or more and
+    both come out positive; else (median of work / busy, 0)."""
     works = [w for _, w, _ in rows]
     if len(rows) >= 2 and max(works) >= 1.1 * min(works):
-        suu = sum(u * u for u, _, _ in rows)
-        sww = sum(w * w for _, w, _ in rows)
-        suw = sum(u * w for u, w, _ in rows)
-        suy = sum(u * y for u, _, y in rows)
-        swy = sum(w * y for _, w, y in rows)
-        det = suu * sww - suw * suw
-        if det > 0:
-            o, k = (sww * suy - suw * swy) / det, (suu * swy - suw * suy) / det
-            if o >= 0 and k > 0:
-                return 1 / k, o
+        (o, k), _ = nnls(np.array([[u, w] for u, w, _ in rows]), np.array([y for _, _, y in rows]))
+        if o > 0 and k > 0:
+            return 1 / k, float(o)
     return statistics.median(w / y for _, w, y in rows), 0.0
 
 
