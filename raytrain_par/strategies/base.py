@@ -31,6 +31,8 @@ from ..models import checkpoint_activations, parameter_count
 from .context import DTYPES, DistContext
 from .dtensor import local_tensor
 from .layout import Layout, Placement, place
+from .pieces import Piece, Source, dtensor_piece
+from .state import read_states
 from .weights import as_state_dict, tied
 
 
@@ -516,10 +518,34 @@ class Engine(ABC):
         may get None. So the rank that writes never holds more than one parameter's whole states beyond
         what it already holds."""
 
-    @abstractmethod
-    def load_whole(self, weights: Mapping[str, torch.Tensor], states: Mapping[str, dict]) -> None:
-        """The inverse: whole weights and optimizer states by name (read from the files as they are asked
-        for) -> this rank's slices of them, cut as the engine cuts a parameter's weight."""
+    # -- pieces: what this rank holds of each of the plain model's tensors (strategies/pieces.py) -------
+    def held_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Every tensor of the plain model's state dict this rank holds (its parameters and buffers, whole,
+        a DTensor's shard or a split layer's cut), by the plain model's name: a tensor the model ties under
+        two names, or an untied copy of one (a pipeline's last stage), may come under each of them. By
+        default the plain model's (`self.model`, sharded or wrapped in place)."""
+        return self.model.state_dict(keep_vars=True).items()
+
+    def held_parameters(self) -> Iterable[tuple[str, nn.Parameter, torch.optim.Optimizer]]:
+        """Every parameter this rank's optimizers step, by the plain model's name, with the optimizer."""
+        return ((name, p, self.optimizer) for name, p in self.model.named_parameters())
+
+    def piece_of(self, name: str, t: torch.Tensor) -> Piece:
+        """Which part of the plain model's tensor `name` this rank's `t` holds: the whole, or a DTensor's
+        shard (an engine that cuts layers itself adds its cut)."""
+        return dtensor_piece(t)
+
+    def load_pieces(self, source: Source) -> None:
+        """Resume from a checkpoint (written by any engine, on any number of workers): each tensor this rank
+        holds filled from the stored pieces that overlap its piece, then each parameter's optimizer states
+        made and filled alike (strategies/state.py `read_states`). No rank reads more than its own pieces."""
+        with torch.no_grad():
+            for name, t in self.held_tensors():
+                source.read_into(name, self.piece_of(name, t), local_tensor(t))
+        for name, p, optimizer in self.held_parameters():
+            states = read_states(source, name, self.piece_of(name, p), p)
+            if states:
+                optimizer.state[p] = states
 
     def format_extras(self) -> dict:
         """What index.json holds beside the tensors: the optimizer's class and hyper-parameters, the

@@ -127,16 +127,3 @@ class DDPEngine(Engine):
         for name, p in self.model.named_parameters():
             if self.optimizer.state.get(p):
                 yield name, dict(self.optimizer.state[p])
-
-    def load_whole(self, weights, states):
-        self.model.load_state_dict(weights)
-        for name, p in self.model.named_parameters():
-            if name in states:
-                self.optimizer.state[p] = {k: _placed(v, p) for k, v in states[name].items()}
-
-
-def _placed(value, param):
-    """An optimizer state beside its parameter (its step count stays a CPU scalar, as torch keeps it)."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value.clone() if isinstance(value, torch.Tensor) else value
-    return value.to(device=param.device, dtype=param.dtype if value.is_floating_point() else value.dtype)

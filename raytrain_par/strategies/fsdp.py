@@ -10,9 +10,9 @@ Mixed precision is a MixedPrecisionPolicy: parameters stay fp32 shards (the mast
 all-gathered copies used for compute are bf16, gradients are reduced in fp32.
 
 Checkpoints are the one format (strategies/state.py): every parameter and optimizer state gathered
-to its whole shape by name (a DTensor's `full_tensor`), and cut back into this rank's shard at load
-(`distribute_tensor`, local, no communication), so a run resumes on any number of workers and under
-any strategy that shares the format. (torch.distributed.checkpoint re-shards the same way; its
+to its whole shape by name (a DTensor's `full_tensor`), and at load each rank reads its shard's rows
+only (pieces.py, no communication), so a run resumes on any number of workers and under any strategy
+that shares the format. (torch.distributed.checkpoint re-shards the same way; its
 metadata file is a pickle, which these checkpoints never load.)
 """
 
@@ -32,7 +32,7 @@ from . import state
 from .base import Engine
 from .weights import one_by_one
 from .context import DTYPES, DistContext
-from .dtensor import local_tensor, placed_like, whole_tensor
+from .dtensor import whole_tensor
 from .offload import check_host_memory
 from .optim import build_optimizer, lr_factor
 
@@ -177,11 +177,7 @@ class FSDPEngine(Engine):
         named = list(self.module.named_parameters())
         yield from state.gathered(self.optimizer, named, lambda name, t: whole_tensor(t), keep=self.ctx.rank == 0)
 
-    def load_whole(self, weights, states):
+    def held_tensors(self):
+        """Each tensor's shard (a DTensor), every unit resharded first."""
         self._resharded()
-        with torch.no_grad():
-            for name, p in self.module.named_parameters():
-                local_tensor(p).copy_(local_tensor(placed_like(weights[name], p)))
-        for name, p in self.module.named_parameters():
-            if name in states:
-                self.optimizer.state[p] = state.cut(states[name], lambda t: placed_like(t, p))
+        return super().held_tensors()

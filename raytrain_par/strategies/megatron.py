@@ -23,8 +23,8 @@ on different ranks get independent masks and the default stream advances exactly
 
 Checkpoints are the one format (strategies/state.py): every weight and optimizer state of the plain
 model whole, by its name (the tensor-parallel shards joined, the vocabulary padding cut off, under
-fsdp first gathered over the replicas), and cut again at load by this run's T, one tensor at a time;
-so a run resumes with another tensor_parallel, data_parallel_sharding, number of workers, or as
+fsdp first gathered over the replicas), and at load each rank reads only its pieces (this run's cut by
+T, pieces.py); so a run resumes with another tensor_parallel, data_parallel_sharding, number of workers, or as
 another strategy. Each tensor rank's attention-dropout stream rides in its rank's random state.
 """
 
@@ -49,7 +49,7 @@ from .layout import Layout, check_sharding
 from .pipeline import Schedule
 from .base import Engine
 from .context import DistContext
-from .dtensor import local_tensor, placed_like, slice_like, whole_tensor
+from .dtensor import local_tensor, whole_tensor
 from .optim import build_optimizer, lr_factor
 from .tensor_parallel import TPGroup
 from .tensor_split import TP_RNG_OFFSET, ShapesOnly, SplitState, split_lm
@@ -316,16 +316,4 @@ class MegatronEngine(SplitState, Engine):
             return one_by_one(pieces, whole, keep), state.whole_states(held, whole, keep)
         return gathered
 
-    def load_whole(self, weights, states):
-        params = dict(self.model.named_parameters())
-        self.model.load_state_dict({k: slice_like(self.cut_of(k, weights[k]), params.get(k))
-                                    for k in self.model.state_dict()})
-        for name, p in params.items():
-            if name in states:
-                self.optimizer.state[p] = state.cut(states[name], lambda t: self.piece_of(name, t, p))
-
-    def piece_of(self, name: str, whole: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-        """This rank's piece of a whole tensor of parameter `name`, laid out as `param`: its tensor-parallel
-        cut, then, under fsdp, its slice of that (no communication)."""
-        return placed_like(self.cut_of(name, whole), param)
 

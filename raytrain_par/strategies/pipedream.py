@@ -496,11 +496,17 @@ class PipeDreamEngine(Engine):
         else:
             yield from self.pipe.plain_weights(lambda name, t: t)
 
-    def load_whole(self, weights, states):
-        """Weights and optimizer states by name; an untied copy starts from its original's."""
+    def held_tensors(self):
+        """This stage's tensors; an untied copy by its original's name (it starts from its original's)."""
+        return self.pipe.held_tensors()
+
+    def held_parameters(self):
         delayed = {id(p) for p in self.delayed}
-        self.pipe.load_plain(weights, states, lambda name, t: t,
-                             lambda p: self.tied_optimizer if id(p) in delayed else self.optimizer)
+        return ((name, p, self.tied_optimizer if id(p) in delayed else self.optimizer)
+                for name, p, _ in self.pipe.plain_parameters())
+
+    def load_pieces(self, source):
+        super().load_pieces(source)
         self.current = dict(self.module.named_parameters())
 
     def format_extras(self):

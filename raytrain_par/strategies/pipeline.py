@@ -354,9 +354,6 @@ class PipelineEngine(Engine):
         stages: their tensor-parallel shards joined, tensor_split.SplitState)."""
         return t
 
-    def cut_of(self, name: str, whole: torch.Tensor) -> torch.Tensor:
-        return whole
-
     def optimizer_states(self):
         """Each stage's optimizer states whole (under fsdp gathered over the replicas, under megatron
         joined over the tensor group), sent over the pipeline to rank 0, one parameter at a time."""
@@ -368,8 +365,11 @@ class PipelineEngine(Engine):
         else:
             yield from self.pipe.plain_weights(lambda name, t: self.whole_of(name, whole_tensor(t)))
 
-    def load_whole(self, weights, states):
-        self.pipe.load_plain(weights, states, self.cut_of, lambda p: self.optimizer)
+    def held_tensors(self):
+        return self.pipe.held_tensors()
+
+    def held_parameters(self):
+        return ((name, p, self.optimizer) for name, p, _ in self.pipe.plain_parameters())
 
     def full_state_dict(self):
         return self.pipe.full_state_dict()

@@ -39,7 +39,7 @@ from .. import models
 from . import state
 from .base import padded
 from .context import DTYPES
-from .dtensor import local_tensor, placed_like, slice_like, whole_tensor
+from .dtensor import local_tensor, whole_tensor
 from .layout import Placement
 
 # -- options shared by the pipeline engines -----------------------------------------------------
@@ -320,11 +320,12 @@ class Pipeline:
                 out[self.names[s][local]] = whole_tensor(value)  # sharded: gathered over the replicas
         return out
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's stages' tensors by the plain model's names, an untied copy by its original's."""
+        copies = self._copies
         for s, module in self.modules.items():
-            params = dict(module.named_parameters())
-            module.load_state_dict({local: slice_like(state[orig], params.get(local))
-                                    for local, orig in self.names[s].items()})
+            for local, t in module.state_dict(keep_vars=True).items():
+                yield copies.get((s, local)) or self.names[s][local], t
 
     def plain_parameters(self) -> list[tuple[str, nn.Parameter, bool]]:
         """This rank's parameters by the plain model's names: (name, parameter, whether it is an untied
@@ -386,20 +387,6 @@ class Pipeline:
         for name, entry in mine:
             _send(name, entry, group, self.device)
         _send(None, None, group, self.device)  # the end of this rank's
-
-    def load_plain(self, weights: dict[str, torch.Tensor], states: dict[str, dict],
-                   cut: Callable[[str, torch.Tensor], torch.Tensor],
-                   optimizer_of: Callable[[nn.Parameter], torch.optim.Optimizer]) -> None:
-        """This rank's stages and their optimizer states from the plain model's whole tensors by name:
-        `cut(name, tensor)` takes this rank's piece of one (then sliced as a sharded stage holds it); an
-        untied copy takes its original's; `optimizer_of(p)` is the optimizer stepping parameter p."""
-        copies = self._copies
-        self.load_state_dict({orig: cut(source, weights[source]) for s in self.modules
-                              for local, orig in self.names[s].items()
-                              for source in [copies.get((s, local)) or orig]})
-        for name, p, _ in self.plain_parameters():
-            if name in states:
-                optimizer_of(p).state[p] = state.cut(states[name], lambda t: placed_like(cut(name, t), p))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict, gathered from the stages of this rank's pipeline (every rank)."""

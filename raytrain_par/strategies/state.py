@@ -12,10 +12,11 @@ random state, the manifests):
 
 No pickle anywhere: safetensors and JSON. An engine supplies the full, name-keyed view of its
 parameters' optimizer states (gathered as its weights are for model.safetensors, one tensor at a time)
-and, to resume, takes whole tensors by name and cuts its own slices, as it cuts random weights: so a
-checkpoint resumes under any engine, with any options, on any number of workers (anchors: DeepSpeed's
-universal checkpoints, one "atom" per parameter at its global shape; torch DCP's re-sharding by global
-offsets, whose metadata is a pickle this project does not load).
+and, to resume, its pieces (pieces.py: the part of each named tensor it holds), which `load` fills from
+the stored pieces that overlap them (here each file's tensors whole, the one-piece case): so a
+checkpoint resumes under any engine, with any options, on any number of workers, and no rank reads more
+than its own pieces (anchors: DeepSpeed's universal checkpoints, one "atom" per parameter at its global
+shape; torch DCP's re-sharding by global offsets, whose metadata is a pickle this project does not load).
 
 Why not torch.distributed.checkpoint's safetensors storage (`HuggingFaceStorageWriter`) with
 `get_state_dict` / `set_state_dict`: those re-shard DTensor states only (FSDP2), not DeepSpeed's flat
@@ -38,6 +39,8 @@ from typing import NamedTuple
 
 import torch
 
+from .dtensor import local_tensor
+from .pieces import Piece, Source
 from .weights import DTYPES, WEIGHTS_FILE, StreamWriter, WeightsFile, write_weights
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -66,10 +69,48 @@ def write(directory: Path, states: Iterable[tuple[str, dict | None]], extras: di
 def read(directory: Path) -> tuple[Mapping[str, dict], dict]:
     """The optimizer states by parameter name (whole tensors, on the CPU, each read from the file when it
     is asked for) and the index."""
+    index = read_index(directory)
+    return _States(directory / OPTIMIZER_FILE, index.get("scalars", {})), index
+
+
+def read_index(directory: Path) -> dict:
     index = json.loads((directory / INDEX_FILE).read_text())
     if index.get("format") != FORMAT:
         raise ValueError(f"{directory / INDEX_FILE}: format {index.get('format')!r}, this release reads {FORMAT}")
-    return _States(directory / OPTIMIZER_FILE, index.get("scalars", {})), index
+    return index
+
+
+def source(directory: Path) -> tuple[Source, dict]:
+    """A checkpoint's tensors by name as the pieces it stored them in (pieces.py: each tensor of
+    model.safetensors and optimizer.safetensors one whole piece) and its index."""
+    directory = Path(directory)
+    index = read_index(directory)
+    out = Source()
+    out.add_whole_file(directory / WEIGHTS_FILE, WeightsFile(directory / WEIGHTS_FILE).aliases)
+    out.add_whole_file(directory / OPTIMIZER_FILE)
+    out.scalars = dict(index.get("scalars", {}))
+    return out, index
+
+
+def read_states(source: Source, name: str, piece: Piece, like: torch.Tensor) -> dict:
+    """Parameter `name`'s optimizer states as this rank holds them, for the parameter `like` (a plain tensor
+    or a DTensor) of which it holds `piece`: each tensor state made like the parameter (zeros where the
+    piece has no region: a vocabulary's padding rows) and filled from the checkpoint's pieces; a 0-dim
+    tensor (the step) whole, on the CPU, as torch's optimizers keep it; numbers as they are. Empty where
+    the checkpoint holds none (the optimizer had not stepped)."""
+    out = {}
+    for key in source.state_keys(name):
+        full = f"{name}/{key}"
+        if full in source.scalars:
+            out[key] = source.scalars[full]
+        elif not source.shapes[full]:
+            out[key] = source.read(full)
+        else:
+            dtype = source.dtypes[full]
+            t = torch.zeros_like(like, dtype=like.dtype if dtype.is_floating_point else dtype)
+            source.read_into(full, piece, local_tensor(t))
+            out[key] = t
+    return out
 
 
 class _States(Mapping):
@@ -113,13 +154,6 @@ def whole_states(held: Iterable[tuple[str, dict | None]], whole, keep: bool) -> 
         states = {k: whole(name, v).detach().cpu() if isinstance(v, torch.Tensor) and v.dim() > 0 else v
                   for k, v in state.items()}
         yield name, states if keep else None
-
-
-def cut(states: dict, piece) -> dict:
-    """One parameter's whole optimizer states -> this rank's: `piece(t)` cuts a whole tensor as the
-    parameter's weight is cut; scalars (the step) stay."""
-    return {k: piece(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else
-            v.clone() if isinstance(v, torch.Tensor) else v for k, v in states.items()}
 
 
 def old_format(directory: str | Path) -> str | None:
@@ -246,6 +280,6 @@ def load(engine, directory: Path) -> None:
     """Resume an engine from a checkpoint directory by name at whole shapes (written by any engine, on
     any number of workers); one written by an earlier release is refused, saying how to continue."""
     refuse_old_format(directory)
-    states, index = read(directory)
-    engine.load_whole(WeightsFile(directory / WEIGHTS_FILE), states)
+    stored, index = source(directory)
+    engine.load_pieces(stored)
     engine.load_format_extras(index)

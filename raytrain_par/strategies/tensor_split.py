@@ -22,6 +22,7 @@ from torch import nn
 
 from .. import models
 from . import tensor_parallel as tp_ops
+from .pieces import Piece, Region, chunk, dtensor_piece
 from .tensor_parallel import TPGroup
 
 
@@ -214,6 +215,34 @@ def _whole(name: str, t: torch.Tensor, splits: dict, vocab_names: set, vocab_siz
     return t[:vocab_size] if name in vocab_names else t
 
 
+def split_piece(local: tuple[int, ...], split: tuple[int, int] | None, vocab: bool, vocab_size: int, rank: int,
+                size: int) -> Piece:
+    """The piece of the plain model's tensor that tensor-parallel rank `rank` of `size` holds as a shard of
+    shape `local`: the whole where it is not `split` (dim, parts); vocabulary rows [rank x rows, ...) up to
+    the vocabulary's size (the rest of the shard: padding); otherwise along `dim`, each of the `parts`
+    blocks' `rank`-th chunk, side by side in the shard."""
+    if split is None:
+        return Piece.whole(local)
+    dim, parts = split
+    if vocab:
+        first = rank * local[0]
+        rows = max(0, min(local[0], vocab_size - first))
+        shape = (vocab_size, *local[1:])
+        return Piece(shape, (Region((first, *(0,) * (len(local) - 1)), (rows, *local[1:]), (0,) * len(local)),)
+                     if rows else ())
+    whole = local[dim] * size
+    shape, regions, at = (*local[:dim], whole, *local[dim + 1:]), [], 0
+    for k in range(parts):
+        block, length = chunk(whole, parts, k)
+        start, n = chunk(length, size, rank)
+        origin = [0] * len(local)
+        regions.append(Region(tuple(origin[:dim] + [block + start] + origin[dim + 1:]),
+                              (*local[:dim], n, *local[dim + 1:]), tuple(origin[:dim] + [at] + origin[dim + 1:])))
+        at += n
+    assert at == local[dim], f"a shard of {local[dim]} along dim {dim} is not 1/{size} of {parts} blocks"
+    return Piece(shape, tuple(regions))
+
+
 class SplitState:
     """A tensor of the plain model from this rank's shard of it and back, by the plain model's name, and
     the attention-dropout stream, for the engines that hold a split model (megatron.py,
@@ -232,15 +261,18 @@ class SplitState:
         group of the same ranks, for a split tensor)."""
         return _whole(name, t, self.splits, self.vocab_names, self.vocab_size, tp or self.tp)
 
-    def cut_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a whole tensor (no communication): Megatron's cut, the vocabulary padded
-        to a multiple of T."""
-        if name not in self.splits:
-            return full
-        if name in self.vocab_names:
-            padded = -(-self.vocab_size // self.tp.size) * self.tp.size
-            full = torch.cat([full, full.new_zeros(padded - full.shape[0], *full.shape[1:])])
-        return tp_ops.shard(full, *self.splits[name], self.tp.rank, self.tp.size)
+    def piece_of(self, name: str, t: torch.Tensor) -> Piece:
+        """Which part of the plain model's tensor `name` this rank's `t` holds: Megatron's cut (a box per
+        fused part, each cut over the T ranks as `tensor_parallel.shard` cuts it; the vocabulary's rows of
+        this rank, its padding rows in none), then, where `t` is a DTensor sharded over the data-parallel
+        replicas, that DTensor's shard of the cut."""
+        local = tuple(t.shape)  # a DTensor's: the whole tensor-parallel shard
+        cut = split_piece(local, self.splits.get(name), name in self.vocab_names, self.vocab_size,
+                          self.tp.rank, self.tp.size)
+        if hasattr(t, "device_mesh"):
+            shard = dtensor_piece(t).regions[0]
+            cut = cut.within(shard.start, shard.size)
+        return cut
 
     def rng_state(self):
         return {"tp_rank": self.tp.rank, "tp_size": self.tp.size, "state": self.rng.state}

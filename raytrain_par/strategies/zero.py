@@ -14,9 +14,9 @@ bf16 / fp16, bucket sizes sized from the model (the defaults, 5e8 elements, are 
 Checkpoints are the one format (strategies/state.py): the fp32 master weights and every optimizer
 state by the plain model's parameter names at their whole shapes, gathered one parameter at a time
 with DeepSpeed's own per-parameter accessors (`safe_get_full_fp32_param`,
-`safe_get_full_optimizer_state`) and cut into any data-parallel size's partitions at load with their
-setters; so a ZeRO run resumes under any stage, ddp or fsdp, on any number of workers, and they under
-it. DeepSpeed's universal checkpoint (`ds_to_universal`, `load_universal_checkpoint`) does the same
+`safe_get_full_optimizer_state`), and at load each rank reads the flat ranges its partitions hold
+(pieces.py, where DeepSpeed maps each parameter into them); so a ZeRO run resumes under any stage, ddp or
+fsdp, on any number of workers, and they under it. DeepSpeed's universal checkpoint (`ds_to_universal`, `load_universal_checkpoint`) does the same
 job from the files `engine.save_checkpoint` writes, but reads them, and its converted files, with
 `torch.load(weights_only=False)`: unpickling arbitrary objects, which these checkpoints never do.
 """
@@ -41,6 +41,7 @@ from .layout import Layout
 from .base import Engine, optimizer_description, split_batch
 from .context import DTYPES, DistContext
 from .offload import check_host_memory
+from .pieces import Piece
 from .weights import copied_once, one_by_one
 from .optim import build_optimizer, lr_factor
 
@@ -431,34 +432,55 @@ class ZeroEngine(Engine):
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
 
-    def load_whole(self, weights, states):
-        """This rank's partitions cut from whole tensors, one parameter at a time (DeepSpeed's setters
-        for stages 1 and 2; stage 3's by hand, see `_set_partition`); the weights the model computes
-        with (16-bit under mixed precision) are refreshed from the fp32 master weights."""
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
+    def load_pieces(self, source):
+        """This rank's partitions read from the checkpoint's pieces, one parameter at a time: its fp32 master
+        weight and each optimizer state are a flat range of the parameter (pieces.Piece.flat) where DeepSpeed
+        keeps them (`_fragments`), in optimizer states created empty as its first step would create them;
+        then the weights the model computes with (16-bit under mixed precision): whole on every rank
+        (stages 1 and 2), this rank's partition of each (stage 3)."""
         base = self.optimizer.optimizer
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        sample = next((states[n] for n, _ in named if n in states), {})
-        keys = sorted(k for k, v in sample.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        if sample:  # the optimizer's state, created empty as its first step would, then filled
+        sample = next((n for n, _ in named if source.state_keys(n)), None)
+        keys = []
+        if sample is not None:  # the optimizer's state, created empty as its first step would, then filled
+            full = {k: f"{sample}/{k}" for k in source.state_keys(sample)}
+            keys = sorted(k for k, f in full.items() if f not in source.scalars and source.shapes[f])
+            scalars = {k: source.scalars[f] if f in source.scalars else source.read(f)
+                       for k, f in full.items() if k not in keys}
             for flat in self._masters():
-                base.state[flat] = {**{k: v.clone() if isinstance(v, torch.Tensor) else v
-                                       for k, v in sample.items() if k not in keys},
+                base.state[flat] = {**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()},
                                     **{k: torch.zeros_like(flat) for k in keys}}
             self._link_optimizer_state()
-        for name, p in named:
-            value = weights[name].to(self.device, torch.float32)
-            moments = {k: states[name][k].to(self.device, torch.float32) for k in keys}
-            if self.stage == 3:
-                self._set_partition(p, value)
-                for k, v in moments.items():
-                    self._set_partition(p, v, k)
-            else:
-                safe_set_full_fp32_param(p, value)
-                for k, v in moments.items():
-                    safe_set_full_optimizer_state(p, v, k)
-        self._set_model_weights(named, weights)
+        with torch.no_grad():
+            for name, p in named:
+                for key in (None, *keys):
+                    for piece, target in self._fragments(p, key):
+                        source.read_into(name if key is None else f"{name}/{key}", piece, target)
+            self._load_model_weights(named, source)
+
+    def _fragments(self, p: nn.Parameter, key: str | None = None) -> list[tuple[Piece, torch.Tensor]]:
+        """Where this rank keeps its part of `p`'s fp32 master weight (`key` None) or optimizer state `key`:
+        (the flat range of the parameter it is, the 1-D tensor holding it). Stages 1 and 2: the fragment
+        DeepSpeed maps into this rank's flat partition (`_hp_mapping`, none where the partition holds none
+        of `p`). Stage 3: `p`'s place in the flat partition (`grad_position`, DeepSpeed's private layout as
+        of DeepSpeed 0.19.8), the rank's share of `p` flattened and padded to a multiple of the ranks."""
+        opt, shape = self.optimizer, _shape(p)
+        if self.stage < 3:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:
+                return []
+            where = mapping.lp_fragment_address
+            return [(Piece.flat(shape, where.start, where.numel), mapping.get_hp_fragment(key))]
+        group, offset, numel = opt.grad_position[opt.get_param_id(p)]
+        flat = opt.fp32_partitioned_groups_flat[group]
+        start, count = self._share(p, numel)
+        return [(Piece.flat(shape, start, count), (flat if key is None else opt.optimizer.state[flat][key])
+                 .narrow(0, offset, count))]
+
+    def _share(self, p: nn.Parameter, numel: int) -> tuple[int, int]:
+        """Stage 3: (first element, elements) of `p` flattened that this rank's partition of `numel` holds."""
+        start = numel * self.dp_rank
+        return start, max(0, min(numel, p.ds_numel - start))
 
     def format_extras(self):
         """The experiment's optimizer (DeepSpeed wraps it), the schedule, and under fp16 DeepSpeed's
@@ -482,34 +504,18 @@ class ZeroEngine(Engine):
         self.module.global_steps, self.module.micro_steps = step, step * accumulation
         self.module.global_samples = step * self.train.global_batch_size
 
-    def _set_partition(self, p: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
-        """Stage 3: this rank's piece of the fp32 master weights (`key` None) or optimizer state of `p`.
-        DeepSpeed's own setter (`set_full_hp_param`) reads past the end of the whole tensor on a rank
-        whose partition is padded (the tensor does not split evenly): pad it first. (Where a parameter's
-        piece lies, `grad_position`, is DeepSpeed's private layout, as of DeepSpeed 0.19.8.)"""
-        opt = self.optimizer
-        group, offset, numel = opt.grad_position[opt.get_param_id(p)]
-        flat = opt.fp32_partitioned_groups_flat[group]
-        target = (flat if key is None else opt.optimizer.state[flat][key]).narrow(0, offset, numel)
-        padded = value.new_zeros(numel * self.dp_size)
-        padded[:value.numel()] = value.flatten()
-        with torch.no_grad():
-            target.copy_(padded.narrow(0, numel * self.dp_rank, numel))
-
-    def _set_model_weights(self, named: list, values: dict) -> None:
-        """The weights the model computes with (16-bit under mixed precision), from the fp32 masters."""
-        if self.stage < 3:  # whole on every rank
-            with torch.no_grad():
-                for name, p in named:
-                    p.copy_(values[name])
-            return
-        import deepspeed
-
-        for name, p in named:  # gathered one at a time, set, and partitioned again
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                if self.ctx.rank == 0:
-                    with torch.no_grad():
-                        p.copy_(values[name].reshape(p.shape))
+    def _load_model_weights(self, named: list, source) -> None:
+        """The weights the model computes with, cast from the checkpoint's: stages 1 and 2 hold them whole on
+        every rank; stage 3 this rank's partition of each (`ds_tensor`, the range its fp32 master holds),
+        and a parameter it keeps gathered between steps (DeepSpeed's persistent ones) also whole."""
+        for name, p in named:
+            if self.stage < 3:
+                source.read_into(name, Piece.whole(p.shape), p.data)
+                continue
+            start, count = self._share(p, p.ds_tensor.numel())
+            source.read_into(name, Piece.flat(_shape(p), start, count), p.ds_tensor.data)
+            if p.data.numel() == p.ds_numel:  # gathered now (a persistent parameter)
+                source.read_into(name, Piece.whole(_shape(p)), p.data)
 
     def plain_weights(self, everywhere=False):
         """fp32 master weights, one parameter gathered at a time (a collective: every rank goes through them)."""

@@ -1,0 +1,252 @@
+"""Pieces: which part of each of the plain model's tensors a rank holds, and the one function that fills a
+rank's pieces from the pieces a checkpoint stored, whatever layout wrote them.
+
+A piece is a tensor's global shape and the regions of it one rank holds, each region a box of the global
+tensor (its offsets and lengths) and where that box lies in the rank's own tensor:
+- a whole tensor (data parallel, a pipeline stage's layers): one region, the whole box;
+- an n-dimensional slice (FSDP's rows, a DTensor's local shard): one box;
+- Megatron's cut: a box per fused part (q, k and v each cut over the tensor ranks, laid side by side in the
+  rank's tensor); the vocabulary's padding rows lie in no region;
+- a flat range of the flattened tensor (DeepSpeed's partitions): the boxes that range is made of, each
+  contiguous in the rank's 1-D tensor.
+
+`Source.read_into` fills a rank's tensor from the stored pieces that overlap each of its regions, reading
+only those parts of the files (`safetensors.safe_open(...).get_slice`): so any layout resumes any other's
+checkpoint, the re-sharding written once (anchors: torch DCP's planner, which matches chunks by global
+offsets; DeepSpeed's universal checkpoints, one atom per parameter re-sliced for any layout; Megatron-Core's
+`dist_checkpointing`). A checkpoint whose tensor is missing, of another shape, or whose stored pieces
+leave part of a rank's region uncovered is refused, naming the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .weights import DTYPES
+
+
+@dataclass(frozen=True)
+class Region:
+    """A box of the global tensor (`start`, `size` per dimension) and where it lies in the rank's tensor:
+    at the offsets `at` of a box of the same size, or, an int, at that flat offset of a 1-D tensor."""
+
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+    at: tuple[int, ...] | int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.size)
+
+    def view(self, local: torch.Tensor) -> torch.Tensor:
+        """The part of the rank's tensor this region fills (a view: writing it writes the tensor)."""
+        if isinstance(self.at, int):
+            return local.view(-1).narrow(0, self.at, self.numel).view(self.size)
+        return local[tuple(slice(a, a + n) for a, n in zip(self.at, self.size))]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The regions of a tensor of global `shape` that one rank holds."""
+
+    shape: tuple[int, ...]
+    regions: tuple[Region, ...]
+
+    @classmethod
+    def whole(cls, shape) -> "Piece":
+        shape = tuple(shape)
+        return cls(shape, (Region((0,) * len(shape), shape, (0,) * len(shape)),))
+
+    @classmethod
+    def box(cls, shape, start, size) -> "Piece":
+        """The slice [start, start + size) of every dimension, the rank's whole tensor."""
+        return cls(tuple(shape), (Region(tuple(start), tuple(size), (0,) * len(size)),))
+
+    @classmethod
+    def flat(cls, shape, start: int, numel: int) -> "Piece":
+        """Elements [start, start + numel) of the tensor flattened in row-major order, held as the first
+        `numel` elements of a 1-D tensor."""
+        shape = tuple(shape)
+        return cls(shape, tuple(Region(s, n, at - start) for s, n, at in _flat_boxes(shape, start, start + numel)))
+
+    @property
+    def numel(self) -> int:
+        return sum(r.numel for r in self.regions)
+
+    def within(self, start, size) -> "Piece":
+        """The piece held by a rank whose tensor is the box [start, start + size) of this piece's rank's
+        tensor (FSDP's rows of a Megatron shard): each region cut to that box, placed in it."""
+        out = []
+        for r in self.regions:
+            assert not isinstance(r.at, int), "a flat piece is not cut further"
+            lo = tuple(max(a, s) for a, s in zip(r.at, start))
+            hi = tuple(min(a + n, s + m) for a, n, s, m in zip(r.at, r.size, start, size))
+            if all(h > l for l, h in zip(lo, hi)):
+                out.append(Region(tuple(g + l - a for g, l, a in zip(r.start, lo, r.at)),
+                                  tuple(h - l for l, h in zip(lo, hi)), tuple(l - s for l, s in zip(lo, start))))
+        return Piece(self.shape, tuple(out))
+
+
+def _flat_boxes(shape: tuple[int, ...], lo: int, hi: int, prefix: tuple = ()) -> Iterator[tuple[tuple, tuple, int]]:
+    """The boxes (start, size, flat offset of their first element) that elements [lo, hi) of a row-major
+    tensor of `shape` are made of: whole rows of the first dimension, and a part row at either end."""
+    if hi <= lo:
+        return
+    if not shape:
+        yield prefix, (), 0
+        return
+    if len(shape) == 1:
+        yield (*prefix, lo), (*(1,) * len(prefix), hi - lo), lo
+        return
+    inner, depth = math.prod(shape[1:]), len(shape) - 1
+
+    def rows(a, b):  # whole rows [a, b) of the first dimension
+        return (*prefix, a, *(0,) * depth), (*(1,) * len(prefix), b - a, *shape[1:]), a * inner
+
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last and (lo % inner or hi % inner):
+        for s, n, at in _flat_boxes(shape[1:], lo - first * inner, hi - first * inner, (*prefix, first)):
+            yield s, n, first * inner + at
+        return
+    if lo % inner:
+        yield from _flat_boxes(shape, lo, (first + 1) * inner, prefix)
+        first += 1
+    end = hi // inner
+    if end > first:
+        yield rows(first, end)
+    if hi % inner:
+        yield from _flat_boxes(shape, end * inner, hi, prefix)
+
+
+def dtensor_piece(t: torch.Tensor) -> Piece:
+    """The piece a tensor is of its global tensor: a DTensor's local shard (its offsets from torch's own
+    arithmetic, uneven shards included), or a plain tensor whole."""
+    if not hasattr(t, "device_mesh"):
+        return Piece.whole(t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    size, start = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return Piece.box(t.shape, start, size)
+
+
+def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
+    """(start, length) of part i of `torch.chunk`ing n elements into `parts`."""
+    size = -(-n // parts) if n else 0
+    start = min(i * size, n)
+    return start, min(size, n - start)
+
+
+class PieceError(ValueError):
+    """A checkpoint's stored pieces do not give a rank's piece: missing, of another shape, not covering it."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A stored piece: a tensor `key` of a safetensors `file`, the box [start, start + its shape) of the
+    global tensor."""
+
+    file: Path
+    key: str
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+
+
+class Source:
+    """The tensors of a checkpoint by name, as the pieces they were stored in (a file of whole tensors is
+    the one-piece case), read piece by piece."""
+
+    def __init__(self):
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.stored: dict[str, list[Stored]] = {}
+        self.scalars: dict[str, object] = {}  # states that are numbers, not tensors (`<name>/<state>`)
+        self._files: dict[Path, object] = {}
+        self._states: dict[str, list[str]] | None = None
+
+    def add_whole_file(self, path: Path, aliases: dict[str, str] | None = None) -> None:
+        """Every tensor of a safetensors file of whole tensors, under its key and any aliases' names."""
+        handle = self._open(path)
+        for key in handle.keys():
+            sliced = handle.get_slice(key)
+            shape = tuple(sliced.get_shape())
+            self.add(key, shape, DTYPES[sliced.get_dtype()], Stored(Path(path), key, (0,) * len(shape), shape))
+        for name, key in (aliases or {}).items():
+            if key in self.stored:
+                self.shapes[name], self.dtypes[name], self.stored[name] = self.shapes[key], self.dtypes[key], self.stored[key]
+
+    def add(self, name: str, shape, dtype: torch.dtype, piece: Stored) -> None:
+        self.shapes[name], self.dtypes[name] = tuple(shape), dtype
+        self.stored.setdefault(name, []).append(piece)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.stored
+
+    def state_keys(self, name: str) -> list[str]:
+        """The names of parameter `name`'s optimizer states (stored as `<name>/<state>`), none if it has none."""
+        if self._states is None:
+            self._states = {}
+            for key in [*self.stored, *self.scalars]:
+                parameter, slash, state = key.rpartition("/")
+                if slash:
+                    self._states.setdefault(parameter, []).append(state)
+        return self._states.get(name, [])
+
+    def where(self, name: str) -> str:
+        files = sorted({p.file.name for p in self.stored.get(name, [])})
+        return ", ".join(files) or "the checkpoint"
+
+    def read_into(self, name: str, piece: Piece, out: torch.Tensor) -> torch.Tensor:
+        """Fill `out`, this rank's tensor of `name`, in each of `piece`'s regions from the stored pieces that
+        overlap it (cast to `out`'s dtype, onto its device); parts of `out` in no region are left as they
+        are. Returns `out`."""
+        if name not in self.stored:
+            raise PieceError(f"{name}: not in the checkpoint ({self.where(name)} has no such tensor)")
+        if self.shapes[name] != tuple(piece.shape):
+            raise PieceError(f"{name}: the checkpoint's {self.where(name)} holds it at shape {list(self.shapes[name])}, "
+                             f"this model's is {list(piece.shape)}")
+        for region in piece.regions:
+            if region.numel == 0:
+                continue
+            target, covered = region.view(out), 0
+            for s in self.stored[name]:
+                lo = [max(a, b) for a, b in zip(region.start, s.start)]
+                hi = [min(a + n, b + m) for a, n, b, m in zip(region.start, region.size, s.start, s.size)]
+                if any(h <= l for l, h in zip(lo, hi)):
+                    continue
+                data = self._read(s, lo, hi)
+                part = target[tuple(slice(l - r, h - r) for l, h, r in zip(lo, hi, region.start))]
+                part.copy_(data.view(part.shape))
+                covered += data.numel()
+            if covered != region.numel:
+                raise PieceError(f"{name}: the checkpoint's pieces in {self.where(name)} cover {covered} of the "
+                                 f"{region.numel} elements of [{_box(region)}] that this rank needs")
+        return out
+
+    def read(self, name: str) -> torch.Tensor:
+        """A stored tensor whole (a scalar state, a small tensor every rank holds)."""
+        out = torch.empty(self.shapes.get(name, ()), dtype=self.dtypes.get(name, torch.float32))
+        return self.read_into(name, Piece.whole(out.shape), out)
+
+    def _open(self, path: Path):
+        path = Path(path)
+        if path not in self._files:
+            from safetensors import safe_open
+
+            self._files[path] = safe_open(str(path), "pt")
+        return self._files[path]
+
+    def _read(self, s: Stored, lo, hi) -> torch.Tensor:
+        handle = self._open(s.file)
+        if not s.size:
+            return handle.get_tensor(s.key)
+        return handle.get_slice(s.key)[tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, s.start))]
+
+
+def _box(region: Region) -> str:
+    return ", ".join(f"{a}:{a + n}" for a, n in zip(region.start, region.size))
+
