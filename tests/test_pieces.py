@@ -2,12 +2,15 @@
 a tensor, filled from whatever pieces a checkpoint stored, is exactly that part of the whole tensor; a
 checkpoint that cannot give it is refused, naming the tensor and the file."""
 
+import hashlib
+
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from raytrain_par.strategies import tensor_parallel as tp_ops
-from raytrain_par.strategies.pieces import Piece, PieceError, Source, Stored
+from raytrain_par.strategies.pieces import (PIECES_FILE, PIECES_INDEX, Piece, PieceError, PieceWriter, Source,
+                                            Stored, read_pieces)
 from raytrain_par.strategies.tensor_split import split_piece
 
 
@@ -98,3 +101,62 @@ def test_a_checkpoint_that_cannot_give_a_piece_is_refused_naming_the_tensor_and_
         _filled(gap, "h.0.w", Piece.whole((6, 5)), (6, 5))
     with pytest.raises(PieceError, match="h.1.w: not in the checkpoint"):
         _filled(gap, "h.1.w", Piece.whole((6, 4)), (6, 4))
+
+
+# -- every rank writes its own pieces (PieceWriter), any layout reads them (read_pieces) -------------------
+
+def _written_by(directory, name: str, full: torch.Tensor, pieces: list[Piece], locals_: list[torch.Tensor]):
+    """Each rank's piece of `full` written by that rank, as a process of its own would."""
+    sums = []
+    for rank, (piece, local) in enumerate(zip(pieces, locals_)):
+        writer = PieceWriter(directory, rank, [(name, piece, full.dtype)])
+        writer.add(name, piece, local)
+        sums.append(writer.close())
+    return sums
+
+
+def test_pieces_written_by_every_rank_are_read_by_another_layout(tmp_path):
+    """A fused q, k, v weight written by 2 tensor-parallel ranks (a box per part each), read back as 3 ZeRO
+    partitions (flat ranges, the last padded) and whole: each equals that part of the tensor. Each file is
+    safetensors, its hash the one computed while writing."""
+    full = torch.randn(8, 24)
+    cut = [split_piece((8, 12), (1, 3), False, 8, r, 2) for r in range(2)]
+    sums = _written_by(tmp_path, "qkv", full, cut, [tp_ops.shard(full, 1, 3, r, 2) for r in range(2)])
+    for rank, written in enumerate(sums):
+        path = tmp_path / PIECES_FILE.format(rank=rank)
+        assert written == {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        assert sorted(load_file(str(path))) == ["qkv#0", "qkv#1", "qkv#2"]  # safetensors' own reader
+    source = read_pieces(tmp_path)
+    per = -(-full.numel() // 3)
+    for rank in range(3):
+        start = rank * per
+        count = min(per, full.numel() - start)
+        got = _filled(source, "qkv", Piece.flat((8, 24), start, count), (per,), fill=0.0)
+        assert torch.equal(got[:count], full.reshape(-1)[start:start + count])
+    assert torch.equal(source.read("qkv"), full)
+
+
+def test_pieces_that_do_not_make_the_tensor_are_refused_before_anything_is_read(tmp_path):
+    full = torch.randn(6, 4)
+    rows = [Piece.box((6, 4), (0, 0), (3, 4)), Piece.box((6, 4), (3, 0), (3, 4))]
+    _written_by(tmp_path, "h.0.w", full, rows, [full[:3], full[3:]])
+    assert torch.equal(read_pieces(tmp_path).read("h.0.w"), full)
+    # a rank's part missing: its pieces do not cover the tensor
+    (tmp_path / PIECES_INDEX.format(rank=1)).rename(tmp_path / "aside.json")
+    with pytest.raises(PieceError, match=r"h.0.w: its pieces in pieces-rank0.safetensors cover 12 of its 24 elements"):
+        read_pieces(tmp_path)
+    (tmp_path / "aside.json").rename(tmp_path / PIECES_INDEX.format(rank=1))
+    # a file the index names is gone
+    (tmp_path / PIECES_FILE.format(rank=1)).unlink()
+    with pytest.raises(PieceError, match=r"pieces-rank1.json names pieces-rank1.safetensors, which is not in"):
+        read_pieces(tmp_path)
+    # two ranks wrote the same rows (a replicated tensor written twice): overlapping pieces
+    _written_by(tmp_path, "h.0.w", full, [rows[0], rows[0]], [full[:3], full[:3]])
+    with pytest.raises(PieceError, match=r"h.0.w: the pieces h.0.w#0 of pieces-rank0.safetensors and h.0.w#0 of "
+                                         r"pieces-rank1.safetensors overlap \(\[0:3, 0:4\] and \[0:3, 0:4\]\)"):
+        read_pieces(tmp_path)
+    # ranks that disagree on the tensor's shape
+    _written_by(tmp_path, "h.0.w", full, [rows[0], Piece.box((6, 5), (3, 0), (3, 4))], [full[:3], full[3:]])
+    with pytest.raises(PieceError, match=r"h.0.w: pieces-rank1.safetensors holds it at shape \[6, 5\] F32, "
+                                         r"pieces-rank0.safetensors at \[6, 4\]"):
+        read_pieces(tmp_path)

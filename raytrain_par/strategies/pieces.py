@@ -20,14 +20,17 @@ leave part of a rank's region uncovered is refused, naming the tensor and the fi
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .weights import DTYPES
+from .weights import DTYPES, dtype_name
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,7 @@ class Source:
                 covered += data.numel()
             if covered != region.numel:
                 raise PieceError(f"{name}: the checkpoint's pieces in {self.where(name)} cover {covered} of the "
-                                 f"{region.numel} elements of [{_box(region)}] that this rank needs")
+                                 f"{region.numel} elements of [{_span(region.start, region.size)}] that this rank needs")
         return out
 
     def read(self, name: str) -> torch.Tensor:
@@ -247,6 +250,108 @@ class Source:
         return handle.get_slice(s.key)[tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, s.start))]
 
 
-def _box(region: Region) -> str:
-    return ", ".join(f"{a}:{a + n}" for a, n in zip(region.start, region.size))
+PIECES_FILE = "pieces-rank{rank}.safetensors"
+PIECES_INDEX = "pieces-rank{rank}.json"
+
+
+class PieceWriter:
+    """One rank's pieces in one safetensors file, each byte written once: the header (every entry's dtype,
+    shape and offsets, known before any data) first, then each tensor's bytes as it comes, hashed as they
+    are written (safetensors' own writer takes every tensor at once; `weights.StreamWriter`, for tensors
+    whose number is not known beforehand, writes the data to a side file first). Beside it, the rank's part
+    of the index: each entry's tensor name, global shape and box."""
+
+    def __init__(self, directory: Path, rank: int, entries: Iterable[tuple[str, Piece, torch.dtype]]):
+        """`entries`: (tensor name, piece, dtype) of each tensor this rank writes, in the order `add` will
+        be called; each region of a piece is an entry of its own (`<name>#<k>`)."""
+        self.path = Path(directory) / PIECES_FILE.format(rank=rank)
+        self.index_path = Path(directory) / PIECES_INDEX.format(rank=rank)
+        header, self.order, tensors, offset = {}, [], {}, 0
+        for name, piece, dtype in entries:
+            size = torch.empty((), dtype=dtype).element_size()
+            stored = tensors.setdefault(name, {"shape": list(piece.shape), "dtype": dtype_name(dtype), "pieces": []})
+            for k, region in enumerate(piece.regions):
+                key = f"{name}#{k}"
+                nbytes = region.numel * size
+                header[key] = {"dtype": dtype_name(dtype), "shape": list(region.size), "data_offsets": [offset, offset + nbytes]}
+                stored["pieces"].append({"key": key, "start": list(region.start)})
+                self.order.append((name, k, key, nbytes))
+                offset += nbytes
+        self.tensors = tensors
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        self.file = open(self.path, "wb")
+        self.hash = hashlib.sha256()
+        self._write(struct.pack("<Q", len(head)) + head)
+        self._next = 0
+
+    def _write(self, data) -> None:
+        self.file.write(data)
+        self.hash.update(data)
+
+    def add(self, name: str, piece: Piece, local: torch.Tensor) -> None:
+        """The regions of `piece` from this rank's tensor `local`, in the order the entries were given."""
+        for k, region in enumerate(piece.regions):
+            expected, part, key, nbytes = self.order[self._next]
+            assert (expected, part) == (name, k), f"{name} written out of order ({key} next)"
+            data = region.view(local.detach()).to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            assert data.nbytes == nbytes, (key, data.nbytes, nbytes)
+            self._write(memoryview(data))
+            self._next += 1
+
+    def close(self, scalars: dict | None = None) -> dict:
+        """The file closed (every entry written) and the rank's index part written; its size and SHA-256."""
+        assert self._next == len(self.order), f"{len(self.order) - self._next} pieces not written"
+        self.file.close()
+        self.index_path.write_text(json.dumps({"file": self.path.name, "tensors": self.tensors,
+                                               "scalars": scalars or {}}, indent=1))
+        return {"bytes": self.path.stat().st_size, "sha256": self.hash.hexdigest()}
+
+
+def read_pieces(directory: Path) -> Source:
+    """Every rank's pieces of a checkpoint (`PieceWriter`'s files), checked before anything is read: each
+    tensor's pieces lie inside its shape, none overlaps another, together they cover it, every file the
+    index names is there; else a PieceError naming the tensor and the files."""
+    directory = Path(directory)
+    source = Source()
+    for part in sorted(directory.glob(PIECES_INDEX.format(rank="*"))):
+        index = json.loads(part.read_text())
+        path = directory / index["file"]
+        if not path.is_file():
+            raise PieceError(f"{part.name} names {index['file']}, which is not in {directory}")
+        for name, entry in index["tensors"].items():
+            shape, dtype = tuple(entry["shape"]), DTYPES[entry["dtype"]]
+            if name in source.shapes and (source.shapes[name], source.dtypes[name]) != (shape, dtype):
+                raise PieceError(f"{name}: {index['file']} holds it at shape {list(shape)} {entry['dtype']}, "
+                                 f"{source.where(name)} at {list(source.shapes[name])}")
+            sizes = source._open(path).get_slice
+            for p in entry["pieces"]:
+                size = tuple(sizes(p["key"]).get_shape())
+                source.add(name, shape, dtype, Stored(path, p["key"], tuple(p["start"]), size))
+        source.scalars.update(index.get("scalars", {}))
+    for name in source.stored:
+        check_cover(source, name)
+    return source
+
+
+def check_cover(source: Source, name: str) -> None:
+    """`name`'s stored pieces lie inside its shape, do not overlap, and cover it; else a PieceError."""
+    shape, stored = source.shapes[name], source.stored[name]
+    for i, s in enumerate(stored):
+        if len(s.start) != len(shape) or any(a < 0 or a + n > m for a, n, m in zip(s.start, s.size, shape)):
+            raise PieceError(f"{name}: the piece {s.key} of {s.file.name} ([{_span(s.start, s.size)}]) lies outside "
+                             f"its shape {list(shape)}")
+        for t in stored[:i]:
+            if all(max(a, b) < min(a + n, b + m) for a, n, b, m in zip(s.start, s.size, t.start, t.size)):
+                raise PieceError(f"{name}: the pieces {t.key} of {t.file.name} and {s.key} of {s.file.name} overlap "
+                                 f"([{_span(t.start, t.size)}] and [{_span(s.start, s.size)}])")
+    covered = sum(math.prod(s.size) for s in stored)
+    if covered != math.prod(shape):
+        raise PieceError(f"{name}: its pieces in {source.where(name)} cover {covered} of its {math.prod(shape)} "
+                         "elements (a rank's files are missing or cut short)")
+
+
+def _span(start, size) -> str:
+    return ", ".join(f"{a}:{a + n}" for a, n in zip(start, size))
+
 

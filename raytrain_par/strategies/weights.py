@@ -86,6 +86,11 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors' name of a torch dtype."""
+    return _NAMES[dtype]
+
+
 class StreamWriter:
     """A safetensors file written one tensor at a time. safetensors' own writer takes every tensor at
     once, which would hold the whole model's weights or optimizer states in memory on the rank that
