@@ -21,9 +21,11 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(directory: Path, rank: int, world_size: int, step: int) -> None:
-    """List every file of `directory` (this rank's part of a checkpoint) in manifest-rank<r>.json."""
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+def write_manifest(directory: Path, rank: int, world_size: int, step: int, known: dict | None = None) -> None:
+    """List every file of `directory` (this rank's part of a checkpoint) in manifest-rank<r>.json; `known`:
+    the size and SHA-256 of files hashed as they were written (not read again)."""
+    known = known or {}
+    files = {f.name: known.get(f.name) or {"bytes": f.stat().st_size, "sha256": _sha256(f)}
              for f in sorted(directory.iterdir()) if f.is_file() and not f.name.startswith("manifest-")}
     manifest = {"format": FORMAT, "rank": rank, "world_size": world_size, "step": step, "files": files}
     (directory / f"manifest-rank{rank}.json").write_text(json.dumps(manifest, indent=1))

@@ -40,6 +40,7 @@ from .metrics.memory import CACHING_ALLOCATOR_ENV
 from .metrics.records import RecordWriter, merge, progress_line, read_records, table, write_table
 from .provenance import record_run
 from .strategies import state as one_format
+from .strategies.pieces import PieceError
 from .worker import quiet_ray_logs, steps_per_epoch, train_loop_per_worker
 
 RUN_SUBDIR = "train"
@@ -334,6 +335,12 @@ def check_resumable(spec: ExperimentSpec, run_dir: Path, log=None) -> None:
     why = one_format.old_format(found[-1].parent)
     if why:
         raise UserError(f"--resume: {why}.\n  fix: {one_format.OLD_FORMAT_FIX}")
+    try:  # every tensor's stored pieces make it whole (their headers and the index; nothing read)
+        one_format.source(found[-1].parent)
+    except PieceError as e:
+        raise UserError(f"--resume: {found[-1].parent} cannot be resumed: {e}.\n  fix: restore the files every "
+                        "rank wrote into it (pieces-rank<r>.safetensors and .json), or start a new run without "
+                        "--resume (the earlier results are kept aside)") from None
     diffs, notes = [], []
     loader = data_sets.loader_of(get(written, "data.name"), get(written, "data.loader"))
     if loader != spec.data.effective_loader:  # the defaults differ by data set: compare what ran
@@ -370,14 +377,14 @@ def _misfit(spec: ExperimentSpec, checkpoint: Path) -> str | None:
     import json
 
     from . import models
-    from .strategies.weights import WEIGHTS_FILE, WeightsFile
+    from .strategies import state
 
     try:
         info = DatasetInfo.from_json(json.loads((checkpoint / "loop.json").read_text())["data"])
         wanted = {k: tuple(v.shape) for k, v in models.build_on_meta(spec.model, info)[0].state_dict().items()}
     except Exception as e:  # noqa: BLE001 - a model that cannot be built here differs for this check
         return f"its weights cannot be compared with the experiment's model ({type(e).__name__}: {e})"
-    held = WeightsFile(checkpoint / WEIGHTS_FILE).shapes()
+    held = state.names_and_shapes(checkpoint)
     for name, shape in wanted.items():
         if name not in held:
             return f"the checkpoint has no {name}"

@@ -1,9 +1,9 @@
 """`raytrain-par export RUN_DIR --out DIR`: the plain model of a run's latest checkpoint.
 
-Every checkpoint holds, beside each rank's shards, the gathered weights of the plain model
-(`model.safetensors`, written from `Engine.full_state_dict()`) and the experiment it belongs to
-(`loop.json`). Export rebuilds that experiment's model -- the same for every strategy -- loads the
-weights into it (every key must match) and writes it in the format its family's users expect:
+Every checkpoint holds the plain model's weights by name, as the pieces every rank wrote
+(strategies/state.py), and the experiment it belongs to (`loop.json`). Export rebuilds that
+experiment's model -- the same for every strategy -- reads the weights into it (every key must match)
+and writes it in the format its family's users expect:
 transformers' `save_pretrained` directory for GPT-2 and causal-lm models (with the run's tokenizer),
 a safetensors file and a JSON description for VGG.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from . import config, data, models
 from .data.shards import DatasetInfo
 from .errors import UserError
-from .strategies.weights import WEIGHTS_FILE, read_weights
+from .strategies import state
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -27,11 +27,11 @@ def latest_checkpoint(run_dir: Path) -> Path:
         raise UserError(f"{run_dir}: no such directory.\n  fix: give a results directory, e.g. results/<experiment>")
     found = []
     for loop in run_dir.rglob("loop.json"):
-        if (loop.parent / WEIGHTS_FILE).exists():
+        if (loop.parent / state.INDEX_FILE).exists() or (loop.parent / state.WEIGHTS_FILE).exists():
             step = json.loads(loop.read_text())["state"]["step"]
             found.append((step, loop.stat().st_mtime, loop.parent))
     if not found:
-        raise UserError(f"{run_dir}: holds no checkpoint with model weights ({WEIGHTS_FILE} beside loop.json).\n"
+        raise UserError(f"{run_dir}: holds no checkpoint with model weights ({state.INDEX_FILE} beside loop.json).\n"
                         "  fix: give the results directory of a run that checkpointed "
                         "(train.checkpoint_every_evals >= 1)")
     return max(found)[2]
@@ -43,9 +43,12 @@ def export(run_dir: str | Path, out: str | Path, log=print) -> Path:
     spec = config.from_dict(meta["experiment"])
     info = DatasetInfo.from_json(meta["data"]) if "data" in meta else data.shape_of(spec.data)
     model, _ = models.build(spec.model, info, spec.train.seed)
-    missing, unexpected = model.load_state_dict(read_weights(checkpoint / WEIGHTS_FILE), strict=False)
+    held = state.names_and_shapes(checkpoint)
+    missing, unexpected = model.load_state_dict(state.weights_of(checkpoint, set(held) & set(model.state_dict())),
+                                                strict=False)
+    unexpected = sorted(set(held) - set(model.state_dict()))
     if missing or unexpected:
-        raise UserError(f"{checkpoint / WEIGHTS_FILE} does not fit {spec.model.name}: missing {missing[:5]}, "
+        raise UserError(f"{checkpoint} does not fit {spec.model.name}: missing {missing[:5]}, "
                         f"unexpected {unexpected[:5]}.\n  fix: export with the code version that wrote the run")
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,11 @@
 """Checkpoints off the training thread.
 
-A save has two halves. Taking it runs on the training thread: the gathers that make each tensor whole
-(collectives, so every rank takes part at the same point of training) and a copy of the result into host
-memory. Writing it (serialising, the checksums of the manifest, handing the directory to Ray Train, which
-copies it to the run's storage) runs on a background thread while training goes on
-(`train.checkpoint_mode: async`, the default), or on the training thread (`sync`). A save that finds the
-previous one still being written waits for it: two are never written at once, and no more than one
-snapshot is held.
+A save has two halves. Taking it runs on the training thread: each rank's own pieces (strategies/state.py;
+nothing gathered) copied into host memory, every rank at the same point of training. Writing it (each
+rank's file and its part of the index, the manifest, handing the directory to Ray Train, which copies it
+to the run's storage) runs on a background thread while training goes on (`train.checkpoint_mode:
+async`, the default), or on the training thread (`sync`). A save that finds the previous one still being
+written waits for it: two are never written at once, and no more than one snapshot is held.
 
 Atomic: a checkpoint is used only once every rank's manifest is in it and every file matches
 (checkpoints.py); Ray Train registers it only once every rank's write and copy has ended. A worker killed
@@ -16,9 +15,8 @@ The stall a save costs the training thread (`checkpoint_stall_s`: the snapshot, 
 previous write, `checkpoint_wait_s`) and the time its write took (`checkpoint_write_s`) travel in the
 record of the evaluation that saved.
 
-Why not torch DCP's `async_save`: it writes each rank's shards to files of their own (see
-strategies/state.py for why this format gathers whole tensors by name), and its staging runs the same
-gathers on the training thread as `snapshot` does.
+Why not torch DCP's `async_save`: its metadata is a pickle, which this project does not load, and its
+planner re-shards DTensors only (strategies/state.py).
 """
 
 from __future__ import annotations

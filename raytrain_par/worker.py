@@ -452,8 +452,8 @@ class Trainer:
         background = self.spec.train.checkpoint_mode == "async"
         directory = Path(tempfile.mkdtemp(prefix="raytrain-par-ckpt-"))
         self.state.elapsed_s = time.perf_counter() - t_begin
-        # The plain model's weights, gathered, in every checkpoint (`raytrain-par export` reads them
-        # without the process group or strategy that wrote the shards), and the optimizer state by name
+        # Every rank's own pieces of the plain model's weights and optimizer states, by name (state.py):
+        # `raytrain-par export` and a resume under any layout read them without the group that wrote them
         part = one_format.snapshot(self.engine, self.snapshot_buffers) if background else one_format.parts(self.engine)
         write = functools.partial(self._write, part=part, step=self.state.step, rng=self._rng_state(),
                                   loop=self._loop_state() if self.ctx.rank == 0 else None)
@@ -480,11 +480,11 @@ class Trainer:
 
     def _write(self, directory: Path, part: one_format.Parts, step: int, rng: dict, loop: str | None) -> None:
         """This rank's files of a checkpoint, its manifest last (on any thread: it reads only what it is given)."""
-        one_format.write_parts(directory, part, step, self.ctx.rank == 0)
+        written = one_format.write_parts(directory, part, step, self.ctx.rank)
         torch.save(rng, directory / f"rng-rank{self.ctx.rank}.pt")
         if loop is not None:
             (directory / "loop.json").write_text(loop)
-        checkpoints.write_manifest(directory, self.ctx.rank, self.ctx.world_size, step)
+        checkpoints.write_manifest(directory, self.ctx.rank, self.ctx.world_size, step, written)
 
     def _load(self, directory: Path) -> None:
         meta = json.loads((directory / "loop.json").read_text())

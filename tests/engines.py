@@ -148,7 +148,7 @@ def loop_records(rank: int, world: int, spec_dict: dict, info_dict: dict, name: 
 
 def written_checkpoint(run_dir, spec_dict: dict):
     """A checkpoint of `spec_dict` in `run_dir` with no tensors (for the checks made before a resume starts):
-    its loop state, the one format's index and empty optimizer file, a manifest; returns run_dir."""
+    its loop state, the one format's index and one rank's empty pieces, a manifest; returns run_dir."""
     import json
     from pathlib import Path
 
@@ -158,6 +158,6 @@ def written_checkpoint(run_dir, spec_dict: dict):
     ckpt = Path(run_dir) / "checkpoint_2026-01-01_00-00-00"
     ckpt.mkdir(parents=True)
     (ckpt / "loop.json").write_text(json.dumps({"experiment": spec_dict}))
-    state.write(ckpt, [], {"optimizer": "AdamW", "scheduler": {}}, 2)
+    state.write_parts(ckpt, state.Parts([], {}, {}, {"optimizer": "AdamW", "scheduler": {}}), 2, rank=0)
     checkpoints.write_manifest(ckpt, 0, 1, 2)
     return Path(run_dir)

@@ -35,8 +35,8 @@ def _losses(records):
     return [(r["step"], r["train_loss"], r["val_loss"]) for r in records]
 
 
-# zero-3 and megatron gather in the background over groups of their own (Engine.gather_later), fsdp on the
-# training thread into a snapshot of whole tensors
+# every engine's snapshot is a host copy of each rank's own pieces: zero-3's partitions, megatron's cut, fsdp's
+# shards
 OTHERS = {"megatron": {"name": "megatron", "tensor_parallel": 2}, "fsdp": "fsdp"}
 
 
@@ -75,7 +75,9 @@ def test_an_async_save_writes_what_a_sync_save_writes(runs, name):
     for a, b in zip(sync, background):
         names = sorted(f.name for f in a.iterdir())
         assert names == sorted(f.name for f in b.iterdir())
-        for name in ("model.safetensors", "optimizer.safetensors", "index.json"):
+        kept = [f for f in names if f.startswith("pieces-rank") or f == "index.json"]
+        assert len(kept) == 5  # both ranks' pieces and their index parts, rank 0's index
+        for name in kept:
             assert (a / name).read_bytes() == (b / name).read_bytes(), (a.name, name)
         loops = [json.loads((c / "loop.json").read_text())["state"] for c in (a, b)]
         assert loops[0]["step"] == loops[1]["step"] and loops[0]["samples_seen"] == loops[1]["samples_seen"]
@@ -152,10 +154,10 @@ def test_a_full_disk_stops_the_run_with_one_message_and_keeps_what_was_written(i
 
     write = state.write_parts
 
-    def full(directory, part, step, writes):
+    def full(directory, part, step, rank):
         if step == 4:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "optimizer.safetensors"))
-        write(directory, part, step, writes)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "pieces-rank0.safetensors"))
+        return write(directory, part, step, rank)
 
     monkeypatch.setattr(state, "write_parts", full)
     spec = experiment("gpt2-tiny", KJV, strategy="ddp", workers=1, batch=8, steps=8, **TRAIN)
@@ -163,7 +165,7 @@ def test_a_full_disk_stops_the_run_with_one_message_and_keeps_what_was_written(i
     with pytest.raises(CheckpointWriteError) as raised:
         loop(spec, info(**KJV), tmp_path)
     message = str(raised.value)
-    for words in ("checkpoint of step 4 could not be written", "No space left on device", "optimizer.safetensors",
+    for words in ("checkpoint of step 4 could not be written", "No space left on device", "pieces-rank0.safetensors",
                   "records and the checkpoints written before it are kept", "fix: free space",
                   "train.checkpoint_every_evals"):
         assert words in message

@@ -1,75 +1,67 @@
-"""The one checkpoint format's files (strategies/state.py), without a process group: the optimizer states
-are written one parameter at a time into a file safetensors reads as its own, and read back by name."""
+"""The one checkpoint format's files (strategies/state.py), without a process group: each rank's pieces in a
+file safetensors reads as its own, beside its part of the index, read back by name under any layout; a
+checkpoint of format 1 (every tensor whole, written by rank 0) read as the one-piece case."""
 
+import hashlib
 import json
 
-import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from raytrain_par import checkpoints
 from raytrain_par.strategies import state
-from raytrain_par.strategies.weights import WeightsFile, write_weights
+from raytrain_par.strategies.pieces import Piece
+from raytrain_par.strategies.weights import write_weights
 
-STATES = {
-    "transformer.wte.weight": {"exp_avg": torch.randn(10, 4), "exp_avg_sq": torch.rand(10, 4),
-                               "step": torch.tensor(3.0)},
-    "transformer.h.0.ln_1.bias": {"exp_avg": torch.randn(4).to(torch.bfloat16), "step": torch.tensor(3.0)},
-    "mask": {"kept": torch.tensor([True, False, True]), "count": torch.arange(6, dtype=torch.int64).reshape(2, 3),
-             "empty": torch.zeros(0, 5)},
-    "sgd.weight": {"momentum_buffer": torch.randn(2, 2), "lr_seen": 0.5},
-}
 EXTRAS = {"optimizer": "AdamW", "hyperparameters": [{"lr": 1e-3, "betas": [0.9, 0.999]}],
           "scheduler": {"last_epoch": 3}}
 
 
-def test_streamed_file_is_safetensors_and_reads_back_by_name(tmp_path):
-    state.write(tmp_path, iter(STATES.items()), EXTRAS, step=3)
-    on_disk = load_file(str(tmp_path / state.OPTIMIZER_FILE))  # safetensors' own reader, every check it makes
-    with safe_open(str(tmp_path / state.OPTIMIZER_FILE), "pt") as f:
-        assert f.metadata() is None
-    index = json.loads((tmp_path / state.INDEX_FILE).read_text())
-    assert index["step"] == 3 and index["optimizer"] == "AdamW" and index["hyperparameters"] == EXTRAS["hyperparameters"]
-    assert index["scalars"] == {"sgd.weight/lr_seen": 0.5}
-    read, _ = state.read(tmp_path)
-    assert sorted(read) == sorted(STATES)
-    for name, states in STATES.items():
-        for key, value in states.items():
-            if isinstance(value, torch.Tensor):
-                assert on_disk[f"{name}/{key}"].dtype == value.dtype and torch.equal(on_disk[f"{name}/{key}"], value)
-                assert index["tensors"][f"{name}/{key}"] == {"shape": list(value.shape),
-                                                              "dtype": str(value.dtype).removeprefix("torch.")}
-                assert torch.equal(read[name][key], value), (name, key)
-            else:
-                assert read[name][key] == value
-    assert sorted(p.name for p in tmp_path.iterdir()) == [state.INDEX_FILE, state.OPTIMIZER_FILE]  # no side file
+def test_each_rank_writes_its_pieces_and_any_layout_reads_them(tmp_path):
+    """Two ranks, each holding rows of a weight and of its Adam moment, the step whole (written by one of
+    them), a tied name and a state that is a number: read back whole, and as another layout's columns;
+    every file is safetensors and its manifest's hash is the one taken while it was written."""
+    wte, moment = torch.randn(10, 4), torch.rand(10, 4)
+    step = torch.tensor(3.0)
+    for rank, rows in enumerate((slice(0, 6), slice(6, 10))):
+        piece = Piece.box((10, 4), (rows.start, 0), (rows.stop - rows.start, 4))
+        mine = [("transformer.wte.weight", piece, wte[rows]), ("transformer.wte.weight/exp_avg", piece, moment[rows])]
+        if rank == 1:
+            mine.append(("transformer.wte.weight/step", Piece.whole(()), step))
+        part = state.Parts(mine, {"transformer.wte.weight/lr_seen": 0.5}, {"lm_head.weight": "transformer.wte.weight"},
+                           EXTRAS if rank == 0 else None)
+        written = state.write_parts(tmp_path, part, 3, rank)
+        path = tmp_path / f"pieces-rank{rank}.safetensors"
+        assert written == {path.name: {"bytes": path.stat().st_size,
+                                       "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}}
+        assert sorted(load_file(str(path))) == sorted(f"{name}#0" for name, _, _ in mine)  # safetensors' own reader
+        checkpoints.write_manifest(tmp_path, rank, 2, 3, written)
+    assert checkpoints.problem(tmp_path) is None  # the hashes taken while writing match the files
+    index = state.read_index(tmp_path)
+    assert index["format"] == state.FORMAT and index["step"] == 3 and index["hyperparameters"] == EXTRAS["hyperparameters"]
+    stored = state.source(tmp_path)
+    assert torch.equal(stored.read("transformer.wte.weight"), wte) and torch.equal(stored.read("lm_head.weight"), wte)
+    assert state.names_and_shapes(tmp_path) == {"transformer.wte.weight": (10, 4), "lm_head.weight": (10, 4)}
+    like = torch.empty(10, 2)  # a rank of another layout: columns 2:4
+    states = state.read_states(stored, "transformer.wte.weight", Piece.box((10, 4), (0, 2), (10, 2)), like)
+    assert sorted(states) == ["exp_avg", "lr_seen", "step"]
+    assert torch.equal(states["exp_avg"], moment[:, 2:]) and states["lr_seen"] == 0.5
+    assert torch.equal(states["step"], step)
 
 
-def test_each_parameter_is_written_before_the_next_is_gathered(tmp_path):
-    """The rank that writes holds one parameter's whole states at a time: each parameter's bytes are in
-    the file being written before the next parameter is asked for."""
-    written = []
-
-    def gathered():
-        side = tmp_path / (state.OPTIMIZER_FILE + ".part")
-        expected = 0
-        for name, states in STATES.items():
-            assert side.stat().st_size == expected, name
-            expected += sum(v.numel() * v.element_size() for v in states.values() if isinstance(v, torch.Tensor))
-            written.append(name)
-            yield name, states
-        yield "not written here", None  # another rank's part: nothing to write
-
-    state.write(tmp_path, gathered(), EXTRAS, step=3)
-    assert written == list(STATES)
-
-
-def test_weights_are_read_one_at_a_time_under_every_name(tmp_path):
-    wte = torch.randn(10, 4)
+def test_a_checkpoint_of_format_1_is_read_as_one_piece_per_tensor(tmp_path):
+    """model.safetensors (a tied weight as an alias) and optimizer.safetensors, every tensor whole, as rank 0
+    wrote them before each rank wrote its own pieces."""
+    wte, moment = torch.randn(10, 4), torch.rand(10, 4)
     write_weights({"transformer.wte.weight": wte, "lm_head.weight": wte, "ln.bias": torch.zeros(4)},
                   tmp_path / "model.safetensors")
-    weights = WeightsFile(tmp_path / "model.safetensors")
-    assert sorted(weights) == ["lm_head.weight", "ln.bias", "transformer.wte.weight"]
-    assert torch.equal(weights["lm_head.weight"], wte) and torch.equal(weights["transformer.wte.weight"], wte)
-    with pytest.raises(Exception):
-        weights["missing"]
+    save_file({"transformer.wte.weight/exp_avg": moment, "transformer.wte.weight/step": torch.tensor(2.0)},
+              str(tmp_path / state.OPTIMIZER_FILE))
+    (tmp_path / state.INDEX_FILE).write_text(json.dumps({"format": 1, "step": 2, **EXTRAS, "scalars": {}}))
+    stored = state.source(tmp_path)
+    assert state.names_and_shapes(tmp_path) == {"transformer.wte.weight": (10, 4), "lm_head.weight": (10, 4),
+                                                "ln.bias": (4,)}
+    assert torch.equal(stored.read("lm_head.weight"), wte)
+    states = state.read_states(stored, "lm_head.weight", Piece.box((10, 4), (5, 0), (5, 4)), torch.empty(5, 4))
+    assert torch.equal(states["exp_avg"], moment[5:]) and float(states["step"]) == 2.0
+    assert state.read_index(tmp_path)["step"] == 2

@@ -132,8 +132,6 @@ def test_every_engine_writes_the_plain_models_weights_and_states(runs, info):
     stages sent to rank 0) hold the plain GPT-2's every weight and each parameter's AdamW states under its
     name and shape, the same numbers whichever engine wrote them (to rounding; PipeDream trains other
     numbers: its names and shapes only)."""
-    from raytrain_par.strategies.weights import WeightsFile
-
     model = _plain_model(info(**KJV))
     initial = model.state_dict()
     plain = {k: tuple(v.shape) for k, v in initial.items()}
@@ -142,7 +140,10 @@ def test_every_engine_writes_the_plain_models_weights_and_states(runs, info):
     for case in CASES:
         ckpt = next(c.parent for c in (runs[2] / case / "straight").glob("checkpoint_*/loop.json")
                     if json.loads(c.read_text())["state"]["step"] == 2)  # as every resume read it
-        weights, (states, index) = WeightsFile(ckpt / "model.safetensors"), state.read(ckpt)
+        stored, index = state.source(ckpt), state.read_index(ckpt)
+        weights = state.weights_of(ckpt)
+        states = {n: {k: stored.scalars.get(f"{n}/{k}") or stored.read(f"{n}/{k}") for k in stored.state_keys(n)}
+                  for n in {n.rpartition("/")[0] for n in [*stored.shapes, *stored.scalars] if "/" in n}}
         assert {k: tuple(weights[k].shape) for k in weights} == plain, case
         assert sorted(states) == sorted(params), case
         for name, shape in params.items():
@@ -192,18 +193,18 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_none_intact_is_refused(r
     newest_first = sorted(run_dir.glob("checkpoint_*"), reverse=True)
     assert len(newest_first) == 2
     for ckpt in newest_first:
-        with open(ckpt / state.OPTIMIZER_FILE, "r+b") as f:
+        with open(ckpt / "pieces-rank0.safetensors", "r+b") as f:
             f.truncate(100)
         said = []
         if ckpt == newest_first[0]:
             check_resumable(config.parse(_spec("ddp", 2)), run_dir, said.append)
-            assert said == [f"--resume: {ckpt.name} is damaged (optimizer.safetensors (rank 0) has 100 bytes, "
-                            f"{(runs[2] / 'ddp 1->2' / 'straight' / ckpt.name / state.OPTIMIZER_FILE).stat().st_size}"
+            assert said == [f"--resume: {ckpt.name} is damaged (pieces-rank0.safetensors (rank 0) has 100 bytes, "
+                            f"{(runs[2] / 'ddp 1->2' / 'straight' / ckpt.name / 'pieces-rank0.safetensors').stat().st_size}"
                             f" were written): the run continues from {newest_first[1].name}"]
     before = sorted((p.name, p.stat().st_size) for p in run_dir.rglob("*"))
     with pytest.raises(UserError) as err:
         check_resumable(config.parse(_spec("ddp", 2)), run_dir)
-    assert f"no checkpoint in {run_dir} is intact; the newest, {newest_first[0].name}: optimizer.safetensors" \
+    assert f"no checkpoint in {run_dir} is intact; the newest, {newest_first[0].name}: pieces-rank0.safetensors" \
         in str(err.value) and "fix: restore its files, or start a new run without --resume" in str(err.value)
     assert sorted((p.name, p.stat().st_size) for p in run_dir.rglob("*")) == before
 
@@ -254,7 +255,7 @@ def test_a_checkpoint_of_an_earlier_release_is_refused_with_how_to_continue(tmp_
 
     run_dir = _written(tmp_path, experiment(strategy=strategy, workers=2))
     ckpt = next(run_dir.glob("checkpoint_*"))
-    for f in (state.INDEX_FILE, state.OPTIMIZER_FILE):
+    for f in [state.INDEX_FILE, *(p.name for p in ckpt.glob("pieces-rank*"))]:
         (ckpt / f).unlink()
     (ckpt / "ddp.pt").write_bytes(b"")
     checkpoints.write_manifest(ckpt, 0, 1, 2)  # intact, as an earlier release wrote it

@@ -157,9 +157,9 @@ def test_checkpoints_resume_exactly(info, tmp_path):
         assert r["resumed"] == r["straight"], name  # bit for bit
         for key, ref in r["straight_state"].items():
             assert torch.equal(r["state"][key], ref), f"{name} {key}"
-        # the one format: rank 0 writes every tensor whole by name; the other ranks only gather
-        assert r["files"] == ["index.json", "model.safetensors", "optimizer.safetensors"], name
-        assert out[1][name]["files"] == [], name
+        # the one format: every rank writes its own pieces (its partitions), nothing gathered; rank 0 the index
+        assert r["files"] == ["index.json", "pieces-rank0.json", "pieces-rank0.safetensors"], name
+        assert out[1][name]["files"] == ["pieces-rank1.json", "pieces-rank1.safetensors"], name
 
 
 def _expect_error(raw: dict, field: str, *words: str):

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import replace
-from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -510,25 +509,48 @@ class Engine(ABC):
         `full_state_dict`: by default, from it."""
         yield from tied(self.full_state_dict())
 
-    @abstractmethod
-    def optimizer_states(self) -> Iterator[tuple[str, dict | None]]:
-        """Every parameter's optimizer state by the plain model's parameter name, one parameter at a time:
-        (name, {state name: whole tensor at the parameter's global shape, or a scalar}), gathered where
-        sharded (every rank iterates it: the gathers are collectives); rank 0 gets the states, the others
-        may get None. So the rank that writes never holds more than one parameter's whole states beyond
-        what it already holds."""
-
     # -- pieces: what this rank holds of each of the plain model's tensors (strategies/pieces.py) -------
     def held_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Every tensor of the plain model's state dict this rank holds (its parameters and buffers, whole,
-        a DTensor's shard or a split layer's cut), by the plain model's name: a tensor the model ties under
-        two names, or an untied copy of one (a pipeline's last stage), may come under each of them. By
-        default the plain model's (`self.model`, sharded or wrapped in place)."""
+        a DTensor's shard or a split layer's cut), by the plain model's name; a tensor the model ties under
+        two names under each of them (`aliases`). By default the plain model's (`self.model`, sharded or
+        wrapped in place)."""
         return self.model.state_dict(keep_vars=True).items()
 
     def held_parameters(self) -> Iterable[tuple[str, nn.Parameter, torch.optim.Optimizer]]:
         """Every parameter this rank's optimizers step, by the plain model's name, with the optimizer."""
         return ((name, p, self.optimizer) for name, p in self.model.named_parameters())
+
+    def aliases(self) -> dict[str, str]:
+        """The names of `held_tensors` whose tensor is another name's (a tied LM head; a pipeline's untied
+        copy of one, which resumes from its original): name -> that name. A checkpoint keeps the tensor
+        once, under its original's name."""
+        first, out = {}, {}
+        for name, t in self.held_tensors():
+            if id(t) in first:
+                out[name] = first[id(t)]
+            else:
+                first[id(t)] = name
+        return out
+
+    def saved_pieces(self) -> Iterator[tuple[str, Piece, torch.Tensor | object]]:
+        """What this rank holds that a checkpoint keeps (strategies/state.py): (name, piece, this rank's
+        tensor) of each of the plain model's tensors, then of each parameter's optimizer states, named
+        `<parameter>/<state>` (a 0-dim one, the step, whole; one that is a number, with no piece). A tied
+        name is left out: its original holds the tensor."""
+        aliases = self.aliases()
+        for name, t in self.held_tensors():
+            if name not in aliases:
+                yield name, self.piece_of(name, t), local_tensor(t)
+        for name, p, optimizer in self.held_parameters():
+            if name in aliases:
+                continue
+            piece = self.piece_of(name, p)
+            for key, v in (optimizer.state.get(p) or {}).items():
+                if not isinstance(v, torch.Tensor):
+                    yield f"{name}/{key}", None, v
+                else:
+                    yield f"{name}/{key}", piece if v.dim() else Piece.whole(()), local_tensor(v)
 
     def piece_of(self, name: str, t: torch.Tensor) -> Piece:
         """Which part of the plain model's tensor `name` this rank's `t` holds: the whole, or a DTensor's
@@ -539,10 +561,13 @@ class Engine(ABC):
         """Resume from a checkpoint (written by any engine, on any number of workers): each tensor this rank
         holds filled from the stored pieces that overlap its piece, then each parameter's optimizer states
         made and filled alike (strategies/state.py `read_states`). No rank reads more than its own pieces."""
+        aliases = self.aliases()
         with torch.no_grad():
             for name, t in self.held_tensors():
+                name = aliases.get(name, name)
                 source.read_into(name, self.piece_of(name, t), local_tensor(t))
         for name, p, optimizer in self.held_parameters():
+            name = aliases.get(name, name)
             states = read_states(source, name, self.piece_of(name, p), p)
             if states:
                 optimizer.state[p] = states
@@ -567,16 +592,6 @@ class Engine(ABC):
 
     def load_rng_state(self, state: dict) -> None:
         """`rng_state` of the rank of this number that wrote the checkpoint (or of rank 0, where none did)."""
-
-    def gather_later(self, copy: Callable[[str, torch.Tensor], torch.Tensor]
-                     ) -> Callable[[], tuple[Iterator, Iterator]] | None:
-        """For a checkpoint written in the background (strategies/state.py `snapshot`): copy this rank's
-        own pieces of every weight and optimizer state now with `copy(key, tensor)` (no communication),
-        and return a function that gives `plain_weights()` and `optimizer_states()` of those copies, made
-        whole over process groups of their own (gloo, host tensors), which a background thread may use
-        while training runs its own collectives. Every rank calls both, in the same order. None (the
-        default): the engine's gathers run on the training thread, into a snapshot of whole tensors."""
-        return None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict (gathered where it is sharded), on every rank."""

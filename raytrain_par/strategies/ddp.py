@@ -121,9 +121,3 @@ class DDPEngine(Engine):
 
     def full_state_dict(self):
         return self.model.state_dict()
-
-    # -- the one checkpoint format (strategies/state.py): every rank holds whole tensors ------------
-    def optimizer_states(self):
-        for name, p in self.model.named_parameters():
-            if self.optimizer.state.get(p):
-                yield name, dict(self.optimizer.state[p])

@@ -28,7 +28,6 @@ from torch import nn
 
 from ..metrics.memory import Sharding, StateBytes
 from .layout import Layout
-from . import state
 from .base import Engine
 from .weights import one_by_one
 from .context import DTYPES, DistContext
@@ -170,13 +169,7 @@ class FSDPEngine(Engine):
         yield from one_by_one(self.module.state_dict(keep_vars=True), lambda name, t: whole_tensor(t),
                               keep=everywhere or self.ctx.rank == 0)
 
-    # -- the one checkpoint format (strategies/state.py): shards gathered and cut by name -----------
-    def optimizer_states(self):
-        """An all-gather per state tensor, in the model's parameter order (the same on every rank)."""
-        self._resharded()
-        named = list(self.module.named_parameters())
-        yield from state.gathered(self.optimizer, named, lambda name, t: whole_tensor(t), keep=self.ctx.rank == 0)
-
+    # -- the one checkpoint format (strategies/state.py): each rank's shards by name ------------------
     def held_tensors(self):
         """Each tensor's shard (a DTensor), every unit resharded first."""
         self._resharded()

@@ -176,6 +176,14 @@ class Placement:
             self._extra[key] = mine
         return self._extra[key]
 
+    def group_of_all(self, tag: str = "", backend: str | None = None):
+        """A process group of every rank, of its own (`tag`, `backend` as `group_along`'s; a collective, made
+        once per tag and backend)."""
+        key = ("all", tag, backend)
+        if key not in self._extra:
+            self._extra[key] = dist.new_group(list(range(self.layout.world)), backend=backend)
+        return self._extra[key]
+
 
 _PLACED: dict[tuple, Placement] = {}
 

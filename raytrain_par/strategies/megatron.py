@@ -31,7 +31,6 @@ another strategy. Each tensor rank's attention-dropout stream rides in its rank'
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,7 +42,6 @@ from .. import models
 from ..metrics.memory import SavedActivations
 from ..models import causal_lm
 from ..models.causal_lm import SPLIT_FAMILIES
-from . import state
 from . import tensor_parallel as tp_ops
 from .layout import Layout, check_sharding
 from .pipeline import Schedule
@@ -53,7 +51,7 @@ from .dtensor import local_tensor, whole_tensor
 from .optim import build_optimizer, lr_factor
 from .tensor_parallel import TPGroup
 from .tensor_split import TP_RNG_OFFSET, ShapesOnly, SplitState, split_lm
-from .weights import copied_once, one_by_one
+from .weights import one_by_one
 
 
 @dataclass
@@ -278,42 +276,16 @@ class MegatronEngine(SplitState, Engine):
         """The plain model's tensors (transformers' names, a tied LM head by the embedding's), one at a
         time: under fsdp gathered over the replicas, then the tensor-parallel shards joined (collectives:
         every rank goes through them)."""
-        shard = self.model.state_dict(keep_vars=True)
-        if self.tied_head:
-            shard[self.tied_head] = shard[next(iter(self.vocab_names))]
+        shard = dict(self.held_tensors())
         yield from one_by_one({k: shard[k] for k in self.plain_keys},
                               lambda name, t: self.whole_of(name, whole_tensor(t)), keep=everywhere or self.ctx.rank == 0)
 
-    # -- the one checkpoint format (strategies/state.py): one parameter gathered or cut at a time ----
-    def optimizer_states(self):
-        """Each parameter's optimizer state whole: under fsdp gathered over the replicas, then its
-        tensor-parallel shards joined (the per-head cut undone, the vocabulary padding cut off), one
-        tensor at a time (collectives: every rank calls it; rank 0 keeps the result)."""
-        named = [(self.names[p], p) for g in self.optimizer.param_groups for p in g["params"]]
-        return state.gathered(self.optimizer, named, lambda name, t: self.whole_of(name, whole_tensor(t)),
-                              keep=self.ctx.rank == 0)
-
-    def gather_later(self, copy):
-        """Without fsdp over the replicas: each rank copies its tensor-parallel shards; they are joined
-        later over a gloo group of the same tensor-parallel ranks. (Under fsdp the shards are gathered
-        over the replicas first, with DTensor's `full_tensor` on the training mesh: on the training
-        thread.)"""
-        if self.fsdp:
-            return None
-        group = self.placement.group_along("tp", tag="checkpoint", backend="gloo") if self.tp.size > 1 else None
-        tp = TPGroup(group, self.tp.size, self.tp.rank)
+    # -- the one checkpoint format (strategies/state.py): each rank's cut by name ----------------------
+    def held_tensors(self):
+        """The split model's tensors by the plain model's names, a tied LM head also under its own."""
         shard = self.model.state_dict(keep_vars=True)
         if self.tied_head:
             shard[self.tied_head] = shard[next(iter(self.vocab_names))]
-        pieces = copied_once({k: shard[k] for k in self.plain_keys}, lambda k, t: copy(f"weights/{k}", t))
-        named = [(self.names[p], p) for g in self.optimizer.param_groups for p in g["params"]]
-        held = [(name, {k: copy(f"states/{name}/{k}", v) if isinstance(v, torch.Tensor) else v
-                        for k, v in self.optimizer.state[p].items()}) for name, p in named if self.optimizer.state.get(p)]
-        keep = self.ctx.rank == 0
-
-        def gathered():
-            whole = functools.partial(self.whole_of, tp=tp)
-            return one_by_one(pieces, whole, keep), state.whole_states(held, whole, keep)
-        return gathered
+        return shard.items()
 
 

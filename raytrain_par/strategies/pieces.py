@@ -168,26 +168,28 @@ class Source:
         self.dtypes: dict[str, torch.dtype] = {}
         self.stored: dict[str, list[Stored]] = {}
         self.scalars: dict[str, object] = {}  # states that are numbers, not tensors (`<name>/<state>`)
+        self.aliases: dict[str, str] = {}  # a name the model ties to another tensor's -> that tensor's name
         self._files: dict[Path, object] = {}
         self._states: dict[str, list[str]] | None = None
 
-    def add_whole_file(self, path: Path, aliases: dict[str, str] | None = None) -> None:
-        """Every tensor of a safetensors file of whole tensors, under its key and any aliases' names."""
+    def add_whole_file(self, path: Path) -> None:
+        """Every tensor of a safetensors file of whole tensors, under its key."""
         handle = self._open(path)
         for key in handle.keys():
             sliced = handle.get_slice(key)
             shape = tuple(sliced.get_shape())
             self.add(key, shape, DTYPES[sliced.get_dtype()], Stored(Path(path), key, (0,) * len(shape), shape))
-        for name, key in (aliases or {}).items():
-            if key in self.stored:
-                self.shapes[name], self.dtypes[name], self.stored[name] = self.shapes[key], self.dtypes[key], self.stored[key]
 
     def add(self, name: str, shape, dtype: torch.dtype, piece: Stored) -> None:
         self.shapes[name], self.dtypes[name] = tuple(shape), dtype
         self.stored.setdefault(name, []).append(piece)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.stored
+        return self.original(name) in self.stored
+
+    def original(self, name: str) -> str:
+        """The name a tensor is stored under: `name`, or the tensor's it is tied to."""
+        return name if name in self.stored else self.aliases.get(name, name)
 
     def state_keys(self, name: str) -> list[str]:
         """The names of parameter `name`'s optimizer states (stored as `<name>/<state>`), none if it has none."""
@@ -207,6 +209,7 @@ class Source:
         """Fill `out`, this rank's tensor of `name`, in each of `piece`'s regions from the stored pieces that
         overlap it (cast to `out`'s dtype, onto its device); parts of `out` in no region are left as they
         are. Returns `out`."""
+        name = self.original(name)
         if name not in self.stored:
             raise PieceError(f"{name}: not in the checkpoint ({self.where(name)} has no such tensor)")
         if self.shapes[name] != tuple(piece.shape):
@@ -232,6 +235,7 @@ class Source:
 
     def read(self, name: str) -> torch.Tensor:
         """A stored tensor whole (a scalar state, a small tensor every rank holds)."""
+        name = self.original(name)
         out = torch.empty(self.shapes.get(name, ()), dtype=self.dtypes.get(name, torch.float32))
         return self.read_into(name, Piece.whole(out.shape), out)
 
@@ -299,12 +303,13 @@ class PieceWriter:
             self._write(memoryview(data))
             self._next += 1
 
-    def close(self, scalars: dict | None = None) -> dict:
-        """The file closed (every entry written) and the rank's index part written; its size and SHA-256."""
+    def close(self, scalars: dict | None = None, aliases: dict[str, str] | None = None) -> dict:
+        """The file closed (every entry written) and the rank's index part written, with the states that are
+        numbers and the names tied to another tensor's; the file's size and SHA-256."""
         assert self._next == len(self.order), f"{len(self.order) - self._next} pieces not written"
         self.file.close()
         self.index_path.write_text(json.dumps({"file": self.path.name, "tensors": self.tensors,
-                                               "scalars": scalars or {}}, indent=1))
+                                               "scalars": scalars or {}, "aliases": aliases or {}}, indent=1))
         return {"bytes": self.path.stat().st_size, "sha256": self.hash.hexdigest()}
 
 
@@ -329,6 +334,7 @@ def read_pieces(directory: Path) -> Source:
                 size = tuple(sizes(p["key"]).get_shape())
                 source.add(name, shape, dtype, Stored(path, p["key"], tuple(p["start"]), size))
         source.scalars.update(index.get("scalars", {}))
+        source.aliases.update(index.get("aliases", {}))
     for name in source.stored:
         check_cover(source, name)
     return source

@@ -484,26 +484,18 @@ class PipeDreamEngine(Engine):
         return float(math.ceil(self.lag / self.m)) if self.two_versions else self.lag / self.m
 
     # -- the one checkpoint format (strategies/state.py) ---------------------------------------------
-    def optimizer_states(self):
-        """Each stage's optimizer states whole by the plain model's names, gathered over the pipeline. The
-        last stage's untied copy of a tied embedding (updated with a delay, by an optimizer of its own) is
-        left out: the plain model holds the first stage's."""
-        return self.pipe.optimizer_states(self.optimizer, lambda name, t: t)
-
-    def plain_weights(self, everywhere=False):
-        if everywhere:  # from full_state_dict, which gathers every stage to every rank
-            yield from super().plain_weights(everywhere)
-        else:
-            yield from self.pipe.plain_weights(lambda name, t: t)
-
     def held_tensors(self):
-        """This stage's tensors; an untied copy by its original's name (it starts from its original's)."""
         return self.pipe.held_tensors()
 
     def held_parameters(self):
         delayed = {id(p) for p in self.delayed}
         return ((name, p, self.tied_optimizer if id(p) in delayed else self.optimizer)
-                for name, p, _ in self.pipe.plain_parameters())
+                for name, p in self.pipe.named_parameters())
+
+    def aliases(self):
+        """The last stage's untied copy of a tied embedding (updated with a delay, by an optimizer of its own)
+        by its original's name: the plain model holds the first stage's, and the copy resumes from it."""
+        return {**super().aliases(), **self.pipe.copy_names()}
 
     def load_pieces(self, source):
         super().load_pieces(source)

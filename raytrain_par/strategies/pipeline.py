@@ -53,7 +53,7 @@ from ..metrics.memory import (SavedActivations, Sharding, StateBytes, model_stat
                               optimizer_state_bytes)
 from .base import Engine
 from .context import DistContext
-from .dtensor import local_tensor, whole_tensor
+from .dtensor import local_tensor
 from .optim import build_optimizer, lr_factor
 from .layout import Layout, check_sharding
 from .stages import Busy, Interval, Pipeline, validate_layout
@@ -349,27 +349,15 @@ class PipelineEngine(Engine):
         return out
 
     # -- the one checkpoint format (strategies/state.py) -------------------------------------------
-    def whole_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """A tensor of parameter `name` whole from this rank's piece, after FSDP's gather (megatron's
-        stages: their tensor-parallel shards joined, tensor_split.SplitState)."""
-        return t
-
-    def optimizer_states(self):
-        """Each stage's optimizer states whole (under fsdp gathered over the replicas, under megatron
-        joined over the tensor group), sent over the pipeline to rank 0, one parameter at a time."""
-        return self.pipe.optimizer_states(self.optimizer, lambda name, t: self.whole_of(name, whole_tensor(t)))
-
-    def plain_weights(self, everywhere=False):
-        if everywhere:  # from full_state_dict, which gathers every stage to every rank
-            yield from super().plain_weights(everywhere)
-        else:
-            yield from self.pipe.plain_weights(lambda name, t: self.whole_of(name, whole_tensor(t)))
-
     def held_tensors(self):
         return self.pipe.held_tensors()
 
     def held_parameters(self):
-        return ((name, p, self.optimizer) for name, p, _ in self.pipe.plain_parameters())
+        return ((name, p, self.optimizer) for name, p in self.pipe.named_parameters())
+
+    def aliases(self):
+        """Tied names, and the untied copies of a tied parameter (on a later stage), by their originals."""
+        return {**super().aliases(), **self.pipe.copy_names()}
 
     def full_state_dict(self):
         return self.pipe.full_state_dict()

@@ -36,7 +36,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import models
-from . import state
 from .base import padded
 from .context import DTYPES
 from .dtensor import local_tensor, whole_tensor
@@ -321,72 +320,26 @@ class Pipeline:
         return out
 
     def held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's stages' tensors by the plain model's names, an untied copy by its original's."""
-        copies = self._copies
+        """This rank's stages' tensors by the plain model's names (an untied copy by its own: `copy_names`)."""
         for s, module in self.modules.items():
             for local, t in module.state_dict(keep_vars=True).items():
-                yield copies.get((s, local)) or self.names[s][local], t
+                yield self.names[s][local], t
 
-    def plain_parameters(self) -> list[tuple[str, nn.Parameter, bool]]:
-        """This rank's parameters by the plain model's names: (name, parameter, whether it is an untied
-        copy); a copy goes by its original's name, the one the plain model holds the tensor under."""
-        copies = self._copies
-        return [(copies.get((s, local)) or self.names[s][local], p, (s, local) in copies)
-                for s, module in self.modules.items() for local, p in module.named_parameters()]
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's stages' parameters by the plain model's names (an untied copy by its own)."""
+        for s, module in self.modules.items():
+            for local, p in module.named_parameters():
+                yield self.names[s][local], p
 
-    def optimizer_states(self, optimizer: torch.optim.Optimizer,
-                         whole: Callable[[str, torch.Tensor], torch.Tensor]) -> Iterator[tuple[str, dict | None]]:
-        """The optimizer states of this pipeline's stages whole by the plain model's names, one parameter at
-        a time: `whole(name, t)` makes one tensor whole from this rank's piece (a collective where it is
-        sharded: every rank calls it), and the other pipeline ranks of rank 0's pipeline send theirs to
-        it, stage by stage (a group of its own: PipeDream's sends of activations may be in flight). An
-        untied copy of a tied parameter is left out: the plain model holds the tensor once."""
-        named = [(name, p) for name, p, copy in self.plain_parameters() if not copy]
-        yield from self._to_rank0(state.gathered(optimizer, named, whole, keep=self._writes))
-
-    def plain_weights(self, whole: Callable[[str, torch.Tensor], torch.Tensor]
-                      ) -> Iterator[tuple[str, torch.Tensor | str | None]]:
-        """This pipeline's stages' state whole by the plain model's names, one tensor at a time, as
-        `optimizer_states` gives the optimizer's; an untied copy by the name of its original."""
-        copies = self._copies
-
-        def mine():
-            for s, module in self.modules.items():
-                for local, t in module.state_dict(keep_vars=True).items():
-                    name = self.names[s][local]
-                    if (s, local) in copies:
-                        yield name, {"tied": copies[(s, local)]}
-                    else:
-                        value = whole(name, t).detach()
-                        yield name, {"tensor": value.cpu()} if self._writes else None
-
-        for name, sent in self._to_rank0(mine()):
-            yield name, None if sent is None else sent.get("tensor", sent.get("tied"))
+    def copy_names(self) -> dict[str, str]:
+        """The plain model's name of each untied copy of a tied parameter on this rank -> its original's (the
+        name the plain model holds the tensor under)."""
+        return {self.names[s][local]: name for (s, local), name in self._copies.items()}
 
     @property
     def _copies(self) -> dict[tuple[int, str], str]:
         """(stage, local name) of each untied copy of a tied parameter on this rank -> its original's name."""
         return {(s, local): tie.name for tie in self.ties for s, local in tie.copies}
-
-    @property
-    def _writes(self) -> bool:
-        """Whether this rank is in the pipeline of rank 0 (whose ranks send their stages' tensors to it)."""
-        return self.placement.dp_rank == 0 and self.placement.tp_rank == 0
-
-    def _to_rank0(self, mine: Iterator[tuple[str, dict | None]]) -> Iterator[tuple[str, dict | None]]:
-        """This rank's (name, dict) entries, and on rank 0 also those of the other ranks of its pipeline,
-        stage after stage, each sent when it is made (a group of its own: PipeDream's sends of activations
-        may be in flight)."""
-        group = self.placement.group_along("pp", tag="checkpoint") if self.P > 1 else None
-        if not self._writes or self.pp_rank == 0:
-            yield from mine
-            if self._writes:
-                for p in range(1, self.P):
-                    yield from _received(p, group, self.device)
-            return
-        for name, entry in mine:
-            _send(name, entry, group, self.device)
-        _send(None, None, group, self.device)  # the end of this rank's
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's state dict, gathered from the stages of this rank's pipeline (every rank)."""
@@ -546,32 +499,3 @@ class Interval:
         out = sum(self.values) / len(self.values) if self.values else None
         self.values = []
         return out
-
-
-# -- checkpoints: whole tensors sent to the rank that writes ------------------------------------------
-
-def _send(name: str | None, states: dict | None, group, device: torch.device) -> None:
-    """One entry (a parameter's whole optimizer states, a whole weight) to pipeline rank 0: its name, its
-    scalars and tensors' shapes as an object, then each tensor (None: nothing more from this rank)."""
-    tensors = {k: v for k, v in (states or {}).items() if isinstance(v, torch.Tensor) and v.dim() > 0}
-    meta = None if name is None else (name, {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()},
-                                      {k: v for k, v in states.items() if k not in tensors})
-    dist.send_object_list([meta], group=group, group_dst=0, device=device)
-    for v in tensors.values():
-        dist.send(v.to(device), group=group, group_dst=0)
-
-
-def _received(src: int, group, device: torch.device) -> Iterator[tuple[str, dict]]:
-    """What pipeline rank `src` sends with `_send`, one parameter at a time."""
-    while True:
-        meta = [None]
-        dist.recv_object_list(meta, group=group, group_src=src, device=device)
-        if meta[0] is None:
-            return
-        name, shapes, scalars = meta[0]
-        states = dict(scalars)
-        for k, (shape, dtype) in shapes.items():
-            t = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(t, group=group, group_src=src)
-            states[k] = t.cpu()
-        yield name, states

@@ -256,10 +256,9 @@ class SplitState:
     tp: TPGroup
     rng: tp_ops.ParallelRNG
 
-    def whole_of(self, name: str, t: torch.Tensor, tp: TPGroup | None = None) -> torch.Tensor:
-        """Whole from this rank's shard (a collective over the tensor-parallel group, or over `tp`, a
-        group of the same ranks, for a split tensor)."""
-        return _whole(name, t, self.splits, self.vocab_names, self.vocab_size, tp or self.tp)
+    def whole_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Whole from this rank's shard (a collective over the tensor-parallel group, for a split tensor)."""
+        return _whole(name, t, self.splits, self.vocab_names, self.vocab_size, self.tp)
 
     def piece_of(self, name: str, t: torch.Tensor) -> Piece:
         """Which part of the plain model's tensor `name` this rank's `t` holds: Megatron's cut (a box per

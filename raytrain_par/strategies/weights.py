@@ -59,18 +59,6 @@ def one_by_one(state: Mapping[str, torch.Tensor], whole: Callable[[str, torch.Te
         yield name, value.cpu() if keep else None
 
 
-def copied_once(state: Mapping[str, torch.Tensor], copy: Callable[[str, torch.Tensor], object]) -> dict:
-    """`copy(name, t)` of each of a state dict's tensors, once per tensor: an entry holding the same tensor
-    as an earlier one (a tied weight) gets that one's copy, so that `one_by_one` still finds it tied."""
-    by_id: dict[int, object] = {}
-    out = {}
-    for name, t in state.items():
-        if id(t) not in by_id:
-            by_id[id(t)] = copy(name, t)
-        out[name] = by_id[id(t)]
-    return out
-
-
 def as_state_dict(weights: Iterable[tuple[str, torch.Tensor | str | None]]) -> dict[str, torch.Tensor]:
     """(name, tensor or the name it is tied to) pairs -> a state dict, tied entries one tensor."""
     out: dict[str, torch.Tensor] = {}

@@ -42,7 +42,7 @@ from .base import Engine, optimizer_description, split_batch
 from .context import DTYPES, DistContext
 from .offload import check_host_memory
 from .pieces import Piece
-from .weights import copied_once, one_by_one
+from .weights import one_by_one
 from .optim import build_optimizer, lr_factor
 
 
@@ -402,26 +402,33 @@ class ZeroEngine(Engine):
         opt = self.optimizer
         return list(opt.fp32_partitioned_groups_flat if self.stage == 3 else opt.single_partition_of_fp32_groups)
 
-    def optimizer_states(self):
-        """Every trainable parameter's optimizer state at its whole shape, gathered one parameter at a
-        time with DeepSpeed's own accessor (`safe_get_full_optimizer_state`: a collective, so every rank
-        calls it; rank 0 keeps the result). The state lives in flat partitions of many parameters;
-        per-element state (Adam's moments, SGD's momentum) is cut out of them by parameter, scalars (the
-        step) are the same for every partition."""
-        from deepspeed.utils import safe_get_full_optimizer_state
-
+    def saved_pieces(self):
+        """This rank's partitions by name, nothing gathered: each trainable parameter's fp32 master weight and
+        optimizer states where DeepSpeed keeps them (`_fragments`: flat ranges of the parameter), the step
+        (the same for every partition) whole; any other tensor of the model (buffers, frozen parameters,
+        whole on every rank under stages 1 and 2) whole."""
         first = self.optimizer.optimizer.state.get(self._masters()[0], {})
-        if not first:  # the optimizer has not stepped yet
-            return
-        self._link_optimizer_state()
         keys = sorted(k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        scalars = {k: v for k, v in first.items() if k not in keys}
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
+        if first:
+            self._link_optimizer_state()
+        aliases, trainable = self.aliases(), dict(self.model.named_parameters())
+        for name, t in self.held_tensors():
+            p = trainable.get(name)
+            if name in aliases:
                 continue
-            whole = {k: safe_get_full_optimizer_state(p, k).detach().reshape(_shape(p)).cpu() for k in keys}
-            yield name, {**whole, **{k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-                                     for k, v in scalars.items()}} if self.ctx.rank == 0 else None
+            if p is None or not p.requires_grad:
+                if self.stage == 3 and isinstance(t, nn.Parameter):
+                    start, count = self._share(t, t.ds_tensor.numel())
+                    yield name, Piece.flat(_shape(t), start, count), t.ds_tensor
+                else:
+                    yield name, Piece.whole(t.shape), t
+                continue
+            for key in (None, *keys):
+                for piece, target in self._fragments(p, key):
+                    yield name if key is None else f"{name}/{key}", piece, target
+            for key, v in first.items():
+                if key not in keys:
+                    yield f"{name}/{key}", Piece.whole(()) if isinstance(v, torch.Tensor) else None, v
 
     def _link_optimizer_state(self) -> None:
         """Stages 1 and 2: point each parameter at its piece of the optimizer's state, which the
@@ -525,51 +532,6 @@ class ZeroEngine(Engine):
             return safe_get_full_fp32_param(t).reshape(_shape(t)) if isinstance(t, nn.Parameter) else t
 
         yield from one_by_one(self.model.state_dict(keep_vars=True), whole, keep=everywhere or self.ctx.rank == 0)
-
-    def gather_later(self, copy):
-        """Stage 3, not offloaded: each rank copies its partition of every parameter's fp32 weight and
-        optimizer states (DeepSpeed's `_get_fp32_opt_state_partition`: the piece its `get_full_hp_param`
-        gathers, a private method as of DeepSpeed 0.19.8); they are gathered later over a gloo group of
-        the same ranks, as DeepSpeed's `_fp32_state_allgather` does, into the tensors its accessors give.
-        Stages 1 and 2 (whose accessors all-reduce through each parameter's mapping onto the flat
-        partitions) and offloaded states gather on the training thread."""
-        opt, sd = self.optimizer, self.model.state_dict(keep_vars=True)
-        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        if self.stage != 3 or self.offloaded or any(isinstance(t, nn.Parameter) and not t.requires_grad
-                                                    for t in sd.values()):
-            return None
-        group = self.placement.group_along("dp", tag="checkpoint", backend="gloo")
-        if dist.get_world_size(group) != dist.get_world_size(opt._get_param_partition_group(trainable[0][1])):
-            return None
-
-        def piece(p, key=None):
-            return opt._get_fp32_opt_state_partition(p, release_swap_buffers=True, optim_state_key=key)[0]
-
-        pieces = copied_once(sd, lambda name, t: (copy(f"weights/{name}", piece(t)), t.ds_numel, _shape(t))
-                             if isinstance(t, nn.Parameter) else (copy(f"weights/{name}", t), None, None))
-        first = opt.optimizer.state.get(self._masters()[0], {})
-        keys = sorted(k for k, v in first.items() if isinstance(v, torch.Tensor) and v.dim() > 0)
-        scalars = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-                   for k, v in first.items() if k not in keys}
-        states = [(name, p.ds_numel, _shape(p), {k: copy(f"states/{name}/{k}", piece(p, k)) for k in keys})
-                  for name, p in trainable] if first else []
-        keep = self.ctx.rank == 0
-
-        def whole(part, numel, shape):
-            out = torch.empty(part.numel() * dist.get_world_size(group), dtype=part.dtype)
-            dist.all_gather(list(out.chunk(dist.get_world_size(group))), part.contiguous(), group=group)
-            return out[:numel].view(shape)
-
-        def optimizer_states():
-            for name, numel, shape, held in states:
-                gathered = {k: whole(v, numel, shape) for k, v in held.items()}
-                yield name, {**gathered, **{k: v.clone() if isinstance(v, torch.Tensor) else v
-                                            for k, v in scalars.items()}} if keep else None
-
-        def gathered():
-            return (one_by_one(pieces, lambda name, held: held[0] if held[1] is None else whole(*held), keep),
-                    optimizer_states())
-        return gathered
 
 
 def _at_end_of_backward(fn):
