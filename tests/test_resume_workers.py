@@ -268,6 +268,37 @@ def test_a_checkpoint_of_an_earlier_release_is_refused_with_how_to_continue(tmp_
             assert words in str(err.value)
 
 
+@pytest.mark.parametrize("rows,shapes,words", [
+    ((0, 2), ((6, 4), (6, 4)), "the pieces h.w#0 of pieces-rank0.safetensors and h.w#0 of pieces-rank1.safetensors "
+                               "overlap ([0:3, 0:4] and [2:5, 0:4])"),
+    ((0, 4), ((6, 4), (6, 4)), "its pieces in pieces-rank0.safetensors, pieces-rank1.safetensors cover 20 of its 24 "
+                               "elements"),
+    ((0, 3), ((6, 4), (7, 4)), "pieces-rank1.safetensors holds it at shape [7, 4] F32, pieces-rank0.safetensors at [6, 4]"),
+])
+def test_a_checkpoint_whose_pieces_do_not_make_a_tensor_is_refused_before_any_worker_starts(tmp_path, rows, shapes,
+                                                                                           words):
+    """Two ranks' pieces of a tensor that overlap, leave part of it out, or disagree on its shape: the resume
+    is refused before any worker starts, naming the tensor, the files and the fix; nothing is touched."""
+    from raytrain_par.driver import check_resumable
+    from raytrain_par.errors import UserError
+    from raytrain_par.strategies.pieces import Piece
+
+    run_dir = _written(tmp_path, experiment(strategy="fsdp", workers=2))
+    ckpt = next(run_dir.glob("checkpoint_*"))
+    for rank, (start, shape) in enumerate(zip(rows, shapes)):
+        rows_of = torch.randn(2 if start == 4 else 3, 4)
+        piece = Piece.box(shape, (start, 0), tuple(rows_of.shape))
+        extras = {"optimizer": "AdamW", "scheduler": {}} if rank == 0 else None
+        state.write_parts(ckpt, state.Parts([("h.w", piece, rows_of)], {}, {}, extras), 2, rank)
+    checkpoints.write_manifest(ckpt, 0, 1, 2)
+    before = sorted((p.name, p.stat().st_size) for p in run_dir.rglob("*"))
+    with pytest.raises(UserError) as err:
+        check_resumable(config.parse(experiment(strategy="fsdp", workers=2)), run_dir)
+    assert f"{ckpt} cannot be resumed: h.w: {words}" in str(err.value), str(err.value)
+    assert "fix: restore the files every rank wrote into it" in str(err.value)
+    assert sorted((p.name, p.stat().st_size) for p in run_dir.rglob("*")) == before
+
+
 @pytest.mark.parametrize("strategy,written,resumed", [("zero-3", 2, 1), (MEGATRON, 2, 4), (PIPELINE, 4, 2)])
 def test_a_streamed_run_may_change_its_worker_count(tmp_path, strategy, written, resumed):
     """The stream loader's rows of a step depend on the seed, the step and the global batch only
