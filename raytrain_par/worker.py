@@ -151,6 +151,7 @@ class Trainer:
         self.records: list[dict] = []
         self.writing: Save | None = None  # the latest checkpoint, maybe still being written
         self.snapshot_buffers: dict = {}  # host memory of async checkpoints, reused by each (state.snapshot)
+        self.staging = None  # the thread allocating them ahead of the first async checkpoint (state.stage_buffers)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> list[dict]:
@@ -192,6 +193,9 @@ class Trainer:
                     self.settling -= 1
                     timed = self._timed_from(running, steps_in_interval)
                 state.step += 1
+                if state.step == start_step + 1 and spec.train.checkpoint_mode == "async" \
+                        and spec.train.checkpoint_every_evals:
+                    self.staging = one_format.stage_buffers(self.engine, self.snapshot_buffers)
                 state.step_in_epoch += 1
                 state.samples_seen += self.loader.global_batch
                 state.rows_in_epoch += self.loader.global_batch
@@ -450,6 +454,9 @@ class Trainer:
             self.writing.wait()
         waited = time.perf_counter() - t0
         background = self.spec.train.checkpoint_mode == "async"
+        if self.staging is not None:  # the first async checkpoint's host memory, allocated since the first step
+            self.staging.join()
+            self.staging = None
         directory = Path(tempfile.mkdtemp(prefix="raytrain-par-ckpt-"))
         self.state.elapsed_s = time.perf_counter() - t_begin
         # Every rank's own pieces of the plain model's weights and optimizer states, by name (state.py):

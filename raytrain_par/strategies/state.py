@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -193,6 +194,24 @@ def snapshot(engine, buffers: dict | None = None) -> Parts:
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     return Parts(pieces, copy.deepcopy(part.scalars), dict(part.aliases), copy.deepcopy(part.extras))
+
+
+def stage_buffers(engine, buffers: dict) -> threading.Thread:
+    """The host memory of this rank's snapshots, allocated and paged in on a background thread ahead of the
+    first one (every rank calls it, at the same point of training, once the optimizer holds its states), so
+    that the first async save, like the later ones, costs the training thread a copy only. `snapshot` may
+    use `buffers` once the returned thread has ended."""
+    wanted = [(name, tuple(local_tensor(value).shape), value.dtype, value.device.type == "cuda")
+              for name, _, value in parts(engine).pieces if value.dim() > 0]
+
+    def allocate():
+        for name, shape, dtype, pin in wanted:
+            if name not in buffers:
+                buffers[name] = torch.zeros(shape, dtype=dtype, pin_memory=pin)  # written: its pages are in
+
+    thread = threading.Thread(target=allocate, name="checkpoint-buffers", daemon=True)
+    thread.start()
+    return thread
 
 
 def _copied(buffers: dict, key: str, value: torch.Tensor) -> torch.Tensor:
