@@ -83,14 +83,16 @@ def write_table(path: str | Path, rows: list[dict]) -> Path:
 
 
 def read_records(path: str | Path) -> list[dict]:
-    # Read through one open file: given a path, pyarrow may open it again between the footer and the
+    # Read the file's bytes at once: given a path, pyarrow may open it again between the footer and the
     # pages, and a writer replacing the file in between (a run's records, read while it trains) would
-    # make it read the pages of one file by the footer of another. ParquetFile reads it on this thread:
-    # pq.read_table of a Python file scans it through pyarrow's dataset engine, whose thread-pool tasks
-    # can outlive the call and abort the interpreter at exit ("terminate called without an active
-    # exception", about 4 exits in 5 here).
+    # make it read the pages of one file by the footer of another. Then parsed on this thread, from
+    # memory, with no pre-buffering: pyarrow's thread pools' tasks (pq.read_table's dataset scan; the
+    # pre-buffering reads ParquetFile submits to its I/O pool by default, as of pyarrow 26) can outlive
+    # the call and abort the interpreter at exit ("terminate called without an active exception"; 4
+    # exits in 5 with read_table, 1 in 6 within the test suite with ParquetFile's defaults).
     with open(path, "rb") as f:
-        return pq.ParquetFile(f).read(use_threads=False).to_pylist()
+        data = pa.BufferReader(f.read())
+    return pq.ParquetFile(data, pre_buffer=False).read(use_threads=False).to_pylist()
 
 
 def gib(n) -> str:
