@@ -11,7 +11,6 @@ from safetensors.torch import load_file, save_file
 from raytrain_par import checkpoints
 from raytrain_par.strategies import state
 from raytrain_par.strategies.pieces import Piece
-from raytrain_par.strategies.weights import write_weights
 
 EXTRAS = {"optimizer": "AdamW", "hyperparameters": [{"lr": 1e-3, "betas": [0.9, 0.999]}],
           "scheduler": {"last_epoch": 3}}
@@ -53,8 +52,8 @@ def test_a_checkpoint_of_format_1_is_read_as_one_piece_per_tensor(tmp_path):
     """model.safetensors (a tied weight as an alias) and optimizer.safetensors, every tensor whole, as rank 0
     wrote them before each rank wrote its own pieces."""
     wte, moment = torch.randn(10, 4), torch.rand(10, 4)
-    write_weights({"transformer.wte.weight": wte, "lm_head.weight": wte, "ln.bias": torch.zeros(4)},
-                  tmp_path / "model.safetensors")
+    save_file({"transformer.wte.weight": wte, "ln.bias": torch.zeros(4)}, str(tmp_path / "model.safetensors"),
+              metadata={"aliases": json.dumps({"lm_head.weight": "transformer.wte.weight"})})
     save_file({"transformer.wte.weight/exp_avg": moment, "transformer.wte.weight/step": torch.tensor(2.0)},
               str(tmp_path / state.OPTIMIZER_FILE))
     (tmp_path / state.INDEX_FILE).write_text(json.dumps({"format": 1, "step": 2, **EXTRAS, "scalars": {}}))

@@ -234,13 +234,14 @@ def test_estimate_prints_each_strategy_and_flags_what_does_not_fit(capsys):
 
 
 def test_export_writes_a_vgg_checkpoint_as_safetensors(tmp_path, info):
-    """export needs only a checkpoint's loop.json and gathered weights, whatever strategy wrote it."""
+    """export needs only a checkpoint's loop.json and its pieces, whatever strategy wrote them."""
     import json
 
     from safetensors.torch import load_model
 
     from raytrain_par.export import export
-    from raytrain_par.strategies.weights import WEIGHTS_FILE, write_weights
+    from raytrain_par.strategies import state
+    from raytrain_par.strategies.pieces import Piece
 
     raw = experiment({"name": "vgg11", "width": 0.125}, "digits", strategy="fsdp", workers=2)
     spec, data_info = config.from_dict(raw), DatasetInfo.from_json(info("digits"))
@@ -248,7 +249,9 @@ def test_export_writes_a_vgg_checkpoint_as_safetensors(tmp_path, info):
     for step in (2, 4):  # the furthest step is exported
         ckpt = tmp_path / "run" / "train" / f"checkpoint_{step}"
         ckpt.mkdir(parents=True)
-        write_weights(trained.state_dict() if step == 4 else {}, ckpt / WEIGHTS_FILE)
+        weights = trained.state_dict() if step == 4 else {}
+        held = [(name, Piece.whole(t.shape), t) for name, t in weights.items()]
+        state.write_parts(ckpt, state.Parts(held, {}, {}, {"optimizer": "AdamW", "scheduler": {}}), step, 0)
         (ckpt / "loop.json").write_text(json.dumps({"state": {"step": step}, "experiment": raw,
                                                     "data": info("digits")}))
     export(tmp_path / "run", tmp_path / "out", log=lambda *_: None)

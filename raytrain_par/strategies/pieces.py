@@ -261,8 +261,7 @@ PIECES_INDEX = "pieces-rank{rank}.json"
 class PieceWriter:
     """One rank's pieces in one safetensors file, each byte written once: the header (every entry's dtype,
     shape and offsets, known before any data) first, then each tensor's bytes as it comes, hashed as they
-    are written (safetensors' own writer takes every tensor at once; `weights.StreamWriter`, for tensors
-    whose number is not known beforehand, writes the data to a side file first). Beside it, the rank's part
+    are written (safetensors' own writer takes every tensor at once). Beside it, the rank's part
     of the index: each entry's tensor name, global shape and box."""
 
     def __init__(self, directory: Path, rank: int, entries: Iterable[tuple[str, Piece, torch.dtype]]):

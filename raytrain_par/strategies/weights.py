@@ -1,35 +1,18 @@
-"""The plain model's weights in safetensors, without unpickling anything.
-
-Every checkpoint carries the plain model's weights in one safetensors file, whatever the strategy
-(written from `Engine.plain_weights()` by rank 0, one tensor at a time), so that a sharded checkpoint
-can be exported without the process group that wrote it.
+"""The plain model's weights by name: made whole one tensor at a time (`one_by_one`, for an engine's
+`plain_weights`), as a state dict with its tied entries, and the weights file of a format-1 checkpoint
+(`model.safetensors`, every weight whole, a tied one listed in its metadata), read without unpickling
+anything. safetensors' names of torch's dtypes.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 WEIGHTS_FILE = "model.safetensors"
-
-
-def write_weights(weights, path: Path) -> None:
-    """The plain model's weights -> safetensors, one tensor at a time: `weights` a state dict or (name,
-    value) pairs, a value the tensor, None (not written here) or the name of an earlier entry it is tied
-    to. Tied entries of a state dict (one storage) are found as such. safetensors refuses shared tensors,
-    so a tied entry is written once and listed in the file's metadata."""
-    out, aliases = StreamWriter(path), {}
-    for name, value in tied(weights) if isinstance(weights, Mapping) else weights:
-        if isinstance(value, str):
-            aliases[name] = value
-        elif value is not None:
-            out.add(name, value)
-    out.close({"aliases": json.dumps(aliases)})
 
 
 def tied(state: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor | str]]:
@@ -77,45 +60,6 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 def dtype_name(dtype: torch.dtype) -> str:
     """safetensors' name of a torch dtype."""
     return _NAMES[dtype]
-
-
-class StreamWriter:
-    """A safetensors file written one tensor at a time. safetensors' own writer takes every tensor at
-    once, which would hold the whole model's weights or optimizer states in memory on the rank that
-    writes, gathered from every rank's shards: here each tensor's bytes go to a side file as it comes,
-    and at the end the header (which must come first and list every tensor) and the bytes into the
-    file. Costs a second write of the data, not its memory."""
-
-    def __init__(self, path: Path):
-        self.path, self.side = path, path.with_name(path.name + ".part")
-        self.data = open(self.side, "wb")
-        self.entries: dict[str, dict] = {}
-        self.offset = 0
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        t = t.detach().cpu().contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy()
-        self.data.write(memoryview(data))
-        self.data.flush()  # on disk before the next tensor is gathered
-        self.entries[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
-                              "data_offsets": [self.offset, self.offset + data.nbytes]}
-        self.offset += data.nbytes
-
-    def close(self, metadata: dict[str, str] | None = None) -> None:
-        self.data.close()
-        header = json.dumps({**({"__metadata__": metadata} if metadata else {}), **self.entries},
-                            separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        with open(self.path, "wb") as out, open(self.side, "rb") as data:
-            out.write(struct.pack("<Q", len(header)))
-            out.write(header)
-            shutil.copyfileobj(data, out, 1 << 24)
-        self.side.unlink()
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every weight of a `write_weights` file by name (a tied one under each of its names)."""
-    return dict(WeightsFile(path))
 
 
 class WeightsFile(Mapping):
