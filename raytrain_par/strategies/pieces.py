@@ -173,12 +173,14 @@ class Source:
         self._states: dict[str, list[str]] | None = None
 
     def add_whole_file(self, path: Path) -> None:
-        """Every tensor of a safetensors file of whole tensors, under its key."""
+        """Every tensor of a safetensors file of whole tensors (format 1's), under its key, and the names tied
+        to them that its metadata lists ("aliases")."""
         handle = self._open(path)
         for key in handle.keys():
             sliced = handle.get_slice(key)
             shape = tuple(sliced.get_shape())
             self.add(key, shape, DTYPES[sliced.get_dtype()], Stored(Path(path), key, (0,) * len(shape), shape))
+        self.aliases.update(json.loads((handle.metadata() or {}).get("aliases", "{}")))
 
     def add(self, name: str, shape, dtype: torch.dtype, piece: Stored) -> None:
         self.shapes[name], self.dtypes[name] = tuple(shape), dtype

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from .dtensor import local_tensor
 from .pieces import PIECES_INDEX, Piece, PieceWriter, Source, read_pieces
-from .weights import WEIGHTS_FILE, WeightsFile
+from .weights import WEIGHTS_FILE
 
 OPTIMIZER_FILE = "optimizer.safetensors"  # format 1's
 INDEX_FILE = "index.json"
@@ -72,9 +72,7 @@ def source(directory: Path) -> Source:
     if any(directory.glob(PIECES_INDEX.format(rank="*"))):
         return read_pieces(directory)
     out = Source()
-    weights = WeightsFile(directory / WEIGHTS_FILE)
     out.add_whole_file(directory / WEIGHTS_FILE)
-    out.aliases.update(weights.aliases)
     if (directory / OPTIMIZER_FILE).is_file():
         out.add_whole_file(directory / OPTIMIZER_FILE)
     if (directory / INDEX_FILE).is_file():

@@ -1,14 +1,10 @@
 """The plain model's weights by name: made whole one tensor at a time (`one_by_one`, for an engine's
-`plain_weights`), as a state dict with its tied entries, and the weights file of a format-1 checkpoint
-(`model.safetensors`, every weight whole, a tied one listed in its metadata), read without unpickling
-anything. safetensors' names of torch's dtypes.
+`plain_weights`), as a state dict with its tied entries; safetensors' names of torch's dtypes.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
 
 import torch
 
@@ -60,28 +56,3 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 def dtype_name(dtype: torch.dtype) -> str:
     """safetensors' name of a torch dtype."""
     return _NAMES[dtype]
-
-
-class WeightsFile(Mapping):
-    """The weights of a `write_weights` file by name, each read when it is asked for (an engine takes its
-    slices one tensor at a time, never holding the whole model beyond what it keeps)."""
-
-    def __init__(self, path: Path):
-        from safetensors import safe_open
-
-        self.file = safe_open(str(path), "pt")
-        self.aliases = json.loads((self.file.metadata() or {}).get("aliases", "{}"))
-        self.names = [*self.file.keys(), *self.aliases]
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.file.get_tensor(self.aliases.get(name, name))
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every weight's shape, from the file's header (nothing read)."""
-        return {name: tuple(self.file.get_slice(self.aliases.get(name, name)).get_shape()) for name in self.names}
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
