@@ -384,7 +384,7 @@ def _misfit(spec: ExperimentSpec, checkpoint: Path) -> str | None:
         wanted = {k: tuple(v.shape) for k, v in models.build_on_meta(spec.model, info)[0].state_dict().items()}
     except Exception as e:  # noqa: BLE001 - a model that cannot be built here differs for this check
         return f"its weights cannot be compared with the experiment's model ({type(e).__name__}: {e})"
-    held = state.names_and_shapes(checkpoint)
+    held = state.names_and_shapes(state.source(checkpoint))
     for name, shape in wanted.items():
         if name not in held:
             return f"the checkpoint has no {name}"

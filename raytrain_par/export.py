@@ -43,13 +43,13 @@ def export(run_dir: str | Path, out: str | Path, log=print) -> Path:
     spec = config.from_dict(meta["experiment"])
     info = DatasetInfo.from_json(meta["data"]) if "data" in meta else data.shape_of(spec.data)
     model, _ = models.build(spec.model, info, spec.train.seed)
-    held = state.names_and_shapes(checkpoint)
-    missing, unexpected = model.load_state_dict(state.weights_of(checkpoint, set(held) & set(model.state_dict())),
-                                                strict=False)
-    unexpected = sorted(set(held) - set(model.state_dict()))
+    stored, wanted = state.source(checkpoint), model.state_dict()
+    held = state.names_and_shapes(stored)
+    missing, unexpected = sorted(set(wanted) - set(held)), sorted(set(held) - set(wanted))
     if missing or unexpected:
         raise UserError(f"{checkpoint} does not fit {spec.model.name}: missing {missing[:5]}, "
                         f"unexpected {unexpected[:5]}.\n  fix: export with the code version that wrote the run")
+    model.load_state_dict(state.weights_of(stored, wanted))
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     models.export(model, out, spec, info)

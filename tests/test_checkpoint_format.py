@@ -40,7 +40,7 @@ def test_each_rank_writes_its_pieces_and_any_layout_reads_them(tmp_path):
     assert index["format"] == state.FORMAT and index["step"] == 3 and index["hyperparameters"] == EXTRAS["hyperparameters"]
     stored = state.source(tmp_path)
     assert torch.equal(stored.read("transformer.wte.weight"), wte) and torch.equal(stored.read("lm_head.weight"), wte)
-    assert state.names_and_shapes(tmp_path) == {"transformer.wte.weight": (10, 4), "lm_head.weight": (10, 4)}
+    assert state.names_and_shapes(stored) == {"transformer.wte.weight": (10, 4), "lm_head.weight": (10, 4)}
     like = torch.empty(10, 2)  # a rank of another layout: columns 2:4
     states = state.read_states(stored, "transformer.wte.weight", Piece.box((10, 4), (0, 2), (10, 2)), like)
     assert sorted(states) == ["exp_avg", "lr_seen", "step"]
@@ -58,7 +58,7 @@ def test_a_checkpoint_of_format_1_is_read_as_one_piece_per_tensor(tmp_path):
               str(tmp_path / state.OPTIMIZER_FILE))
     (tmp_path / state.INDEX_FILE).write_text(json.dumps({"format": 1, "step": 2, **EXTRAS, "scalars": {}}))
     stored = state.source(tmp_path)
-    assert state.names_and_shapes(tmp_path) == {"transformer.wte.weight": (10, 4), "lm_head.weight": (10, 4),
+    assert state.names_and_shapes(stored) == {"transformer.wte.weight": (10, 4), "lm_head.weight": (10, 4),
                                                 "ln.bias": (4,)}
     assert torch.equal(stored.read("lm_head.weight"), wte)
     states = state.read_states(stored, "lm_head.weight", Piece.box((10, 4), (5, 0), (5, 4)), torch.empty(5, 4))

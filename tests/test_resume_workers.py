@@ -141,7 +141,7 @@ def test_every_engine_writes_the_plain_models_weights_and_states(runs, info):
         ckpt = next(c.parent for c in (runs[2] / case / "straight").glob("checkpoint_*/loop.json")
                     if json.loads(c.read_text())["state"]["step"] == 2)  # as every resume read it
         stored, index = state.source(ckpt), state.read_index(ckpt)
-        weights = state.weights_of(ckpt)
+        weights = state.weights_of(stored)
         states = {n: {k: stored.scalars.get(f"{n}/{k}") or stored.read(f"{n}/{k}") for k in stored.state_keys(n)}
                   for n in {n.rpartition("/")[0] for n in [*stored.shapes, *stored.scalars] if "/" in n}}
         assert {k: tuple(weights[k].shape) for k in weights} == plain, case

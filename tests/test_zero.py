@@ -13,7 +13,7 @@ from engines import experiment, train_steps
 from raytrain_par import config, models, strategies
 from raytrain_par.data.loader import MemoryLoader
 from raytrain_par.data.shards import DatasetInfo, read_split
-from raytrain_par.errors import ConfigError
+from raytrain_par.errors import ConfigError, UserError
 from raytrain_par.strategies import DistContext
 from raytrain_par.strategies import state as one_format
 
@@ -260,3 +260,14 @@ def test_export_writes_a_vgg_checkpoint_as_safetensors(tmp_path, info):
     for key, value in trained.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model"]["name"] == "vgg11"
+    # a checkpoint of another model (a tensor missing, one this model does not have) is refused, nothing written
+    ckpt = tmp_path / "run" / "train" / "checkpoint_6"
+    ckpt.mkdir()
+    first, *rest = trained.state_dict().items()
+    held = [(name, Piece.whole(t.shape), t) for name, t in [*rest, ("extra.weight", first[1])]]
+    state.write_parts(ckpt, state.Parts(held, {}, {}, {"optimizer": "AdamW", "scheduler": {}}), 6, 0)
+    (ckpt / "loop.json").write_text(json.dumps({"state": {"step": 6}, "experiment": raw, "data": info("digits")}))
+    with pytest.raises(UserError) as err:
+        export(tmp_path / "run", tmp_path / "refused", log=lambda *_: None)
+    assert f"missing ['{first[0]}'], unexpected ['extra.weight']" in str(err.value) and "fix:" in str(err.value)
+    assert not (tmp_path / "refused").exists()

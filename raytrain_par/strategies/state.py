@@ -251,16 +251,13 @@ def load(engine, directory: Path) -> None:
     engine.load_format_extras(read_index(directory))
 
 
-def names_and_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
-    """The plain model's tensors a checkpoint holds (its weights, not optimizer states), with their shapes,
-    a tied name with its original's: from the files' headers and the index, nothing read."""
-    stored = source(directory)
+def names_and_shapes(stored: Source) -> dict[str, tuple[int, ...]]:
+    """The plain model's tensors a checkpoint (`source`) holds (its weights, not optimizer states), with
+    their shapes, a tied name with its original's: from the files' headers and the index, nothing read."""
     shapes = {n: s for n, s in stored.shapes.items() if "/" not in n}
     return {**shapes, **{a: shapes[o] for a, o in stored.aliases.items() if o in shapes}}
 
 
-def weights_of(directory: Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """The plain model's weights of a checkpoint, whole, by name (`names`: these only)."""
-    stored = source(directory)
-    wanted = names_and_shapes(directory) if names is None else names
-    return {name: stored.read(name) for name in wanted}
+def weights_of(stored: Source, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """The plain model's weights of a checkpoint (`source`), whole, by name (`names`: these only)."""
+    return {name: stored.read(name) for name in (names_and_shapes(stored) if names is None else names)}
