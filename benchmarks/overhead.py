@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import zlib
 import time
 from pathlib import Path
 
@@ -83,7 +84,8 @@ def plain_args(spec, strategy: str, info, work: Path, workers: int, warmup: int,
            "--data", info.train_path, "--seq-len", str(info.seq_len), "--vocab", str(info.vocab_size),
            "--n-layer", str(sizes["n_layer"]), "--n-embd", str(sizes["n_embd"]), "--n-head", str(sizes["n_head"]),
            "--batch", str(t.global_batch_size), "--warmup", str(warmup), "--steps", str(steps), "--block", str(warmup),
-           "--lr", str(t.lr), "--betas", *map(str, t.betas), "--eps", str(t.eps), "--precision", t.precision]
+           "--lr", str(t.lr), "--betas", *map(str, t.betas), "--eps", str(t.eps), "--precision", t.precision,
+           "--init", str(initial_weights(spec, info, work))]
     o = spec.strategy.options
     if strategy == "ddp":
         cmd += ["--bucket-cap-mb", str(o.bucket_cap_mb)]
@@ -99,6 +101,22 @@ def plain_args(spec, strategy: str, info, work: Path, workers: int, warmup: int,
         path.write_text(json.dumps(ds))
         cmd += ["--deepspeed-config", str(path)]
     return cmd
+
+
+def initial_weights(spec, info, work: Path) -> Path:
+    """The weights our engines start `spec` from (models.build: drawn by name), in a safetensors file the
+    plain script loads, so that both train the same model. Written whole to a file of its own, then renamed:
+    ranks that ask at once each write the same bytes."""
+    from safetensors.torch import save_model
+
+    model_key = json.dumps(spec.to_dict()["model"], sort_keys=True) + f"seed {spec.train.seed} vocab {info.vocab_size}"
+    path = work / f"initial-{zlib.crc32(model_key.encode()):08x}.safetensors"
+    if not path.exists():
+        model, _ = models.build(spec.model, info, spec.train.seed)
+        part = work / f"{path.name}.{os.getpid()}"
+        save_model(model, str(part))
+        os.replace(part, path)
+    return path
 
 
 def plain_command(spec, strategy: str, info, work: Path, a) -> list[str]:

@@ -39,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--no-reshard-after-forward", action="store_true")
     p.add_argument("--deepspeed-config", help="JSON file: the DeepSpeed config (zero-N)")
+    p.add_argument("--init", help="safetensors file: the weights to start from (default: transformers' own "
+                   "initialisation, seeded with 0)")
     p.add_argument("--block", type=int, default=None, help="time the steps in blocks of this many (default: --steps)")
     return p
 
@@ -57,6 +59,10 @@ def build(a):
                         n_head=a.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                         eos_token_id=0, use_cache=False)
     model = GPT2LMHeadModel(config)
+    if a.init:
+        from safetensors.torch import load_model
+
+        load_model(model, a.init)
     bf16 = a.precision == "bf16"
     autocast = contextlib.nullcontext
     if a.strategy == "ddp":

@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import checkpoints, models, strategies
+from . import checkpoints, strategies
 from .config import ExperimentSpec
 from .data.loader import MemoryLoader, StreamLoader, eval_batches
 from .data.shards import DatasetInfo
@@ -120,13 +120,13 @@ class Trainer:
         self.spec, self.info, self.ctx, self.reporter = spec, info, ctx, reporter
         self.val_arrays, self.trial, self.log = val_arrays, trial, log
         self.t_setup = time.perf_counter() - startup_s
-        model, self.task = models.build(spec.model, info, spec.train.seed)
         self.total_steps = spec.total_steps(steps_per_epoch(spec, info))
         if strategies.engine_class(spec.strategy.name, spec.strategy.options).profiles_steps:
             # The profiler's first use keeps tens of MB of host memory for good: take it before the
             # engine notes what the allocator holds, so that it does not count as model state.
             warm_up_profiler(ctx.device)
-        self.engine = strategies.build_engine(spec.strategy, model, self.task, spec.train, ctx, self.total_steps)
+        # filled in `run`: from the checkpoint it resumes from, else with the weights the run starts from
+        self.engine, self.task = strategies.start_engine(spec, info, ctx, self.total_steps, fill=False)
         # Counted and probed once, before training: a second or less on any model and device.
         self.flops_per_step = flops.model_flops_per_step(spec.model, info, spec.train.global_batch_size)
         self.peak_tflops, self.peak_source, self.probe_tflops = flops.peak(ctx.device, DTYPES[spec.train.precision])
@@ -160,6 +160,8 @@ class Trainer:
                 self._load(directory)
                 self.resumed_from = self.state.step
                 self.log(f"resumed from {directory} at step {self.state.step}")
+            else:
+                strategies.start_from_initial(self.engine, self.spec, self.info)
         if self.adaptive is not None:
             self._resume_batch()
         spec, state = self.spec, self.state
@@ -604,10 +606,8 @@ def time_steps(spec: ExperimentSpec, info: DatasetInfo, ctx: DistContext, arrays
     import psutil
 
     me = psutil.Process()
-    model, task = models.build(spec.model, info, spec.train.seed)
-    engine = strategies.build_engine(spec.strategy, model, task, spec.train, ctx, warmup + steps)
+    engine, _ = strategies.start_engine(spec, info, ctx, warmup + steps)
     engine.measure_memory = False
-    del model
     loader = MemoryLoader(arrays, spec.train.global_batch_size, engine.dp_rank, engine.dp_size, spec.train.seed)
     batches = (b for epoch in itertools.count() for b in loader.epoch(epoch))
     t0 = last = None

@@ -34,10 +34,8 @@ def train_steps(rank: int, world: int, spec_dict: dict, info_dict: dict, steps: 
     streamed = spec.data.effective_loader == "stream"
     # before the engine, as in the worker loop: not model state
     arrays = None if streamed else read_split(info, info.train_path)
-    model, task = models.build(spec.model, info, spec.train.seed)
     ctx = DistContext.current(torch.device("cpu")) if distributed else DistContext()
-    engine = strategies.build_engine(spec.strategy, model, task, spec.train, ctx, total_steps=steps)
-    del model  # as the worker loop does: what an engine does not keep is freed
+    engine, _ = strategies.start_engine(spec, info, ctx, total_steps=steps)  # as the worker loop does
     if streamed:
         loader = StreamLoader(info.train_path, functools.partial(decode, info), spec.train.global_batch_size,
                               engine.dp_rank, engine.dp_size, spec.train.seed)

@@ -23,8 +23,11 @@ def test_ddp_two_ranks_match_one_process(info):
         assert two[0]["losses"] == two[1]["losses"], case  # every rank sees the global loss
         assert two[0]["losses"] == pytest.approx(one["losses"], abs=1e-5, rel=1e-5), case
         assert one["losses"][-1] < one["losses"][0], case  # and it is training
+        # Two ranks sum each gradient in another order than one process (their rows apart, then averaged):
+        # its last bits differ, and AdamW's step, g / (sqrt(v) + eps), turns that into up to a few percent
+        # of lr (1e-3) where a gradient nearly cancels out, so weights agree to 5e-5, the losses to 1e-5.
         for name, ref in one["state"].items():
-            torch.testing.assert_close(two[0]["state"][name], ref, atol=1e-5, rtol=1e-4, msg=f"{case}: {name}")
+            torch.testing.assert_close(two[0]["state"][name], ref, atol=5e-5, rtol=1e-4, msg=f"{case}: {name}")
 
 
 def test_ddp_memory_counts_bucketed_gradients(info):

@@ -46,11 +46,12 @@ def test_sharded_strategies_match_ddp_and_hold_what_the_estimate_says(info):
     for name in [*SHARDED, "zero-3 offloaded"]:
         run = out[0][name]
         assert out[1][name]["losses"] == run["losses"], name  # every rank reports the global loss
-        assert run["losses"] == pytest.approx(ddp["losses"], abs=1e-6, rel=1e-6), name
-        assert run["state"].keys() == ddp["state"].keys()
         # Clipping sums the squared norm in another order (per partition, then across ranks): the clip
         # factor can differ in its last bit, which AdamW's normalisation magnifies in embedding rows
-        # that see few tokens. Without clipping the weights are bit-identical.
+        # that see few tokens (weights apart by up to 2e-5, the next losses by a few parts in a million).
+        # Without clipping the weights are bit-identical.
+        assert run["losses"] == pytest.approx(ddp["losses"], abs=1e-6, rel=5e-6), name
+        assert run["state"].keys() == ddp["state"].keys()
         for key, ref in ddp["state"].items():
             torch.testing.assert_close(run["state"][key], ref, atol=2e-5, rtol=1e-5, msg=f"{name} {key}")
     num_params = models.parameter_count(models.build_on_meta(config.from_dict(specs["ddp"]).model,

@@ -10,7 +10,8 @@ A family is a module with:
 - `NAMES` (the `model.name`s it builds), `KIND` ('text' or 'image') and `LAYERS` (what its pipeline
   layers are, for messages);
 - `Options`, the dataclass of its other `model:` keys, with `validate(spec, error)`;
-- `build(name, options, info) -> (model, task)`: the model on CPU in fp32, with `family` (its key
+- `build(name, options, info) -> (model, task)`: the model in fp32 (its weights as its own initialisation
+  draws them; models.build draws them again by name, models/initial.py), with `family` (its key
   in FAMILIES), `input_shape` and `input_dtype` (one sample of its input) set, and its task;
 - `pipeline_layers(model)` and `pipeline_layer_count(name, options)`: what pipelines split it
   between (each layer maps one tensor to one tensor and holds the model's own modules);
@@ -18,6 +19,9 @@ A family is a module with:
   (models/plans.py), or None when the family has none;
 - `CHECKPOINTING` (the `train.activation_checkpointing` modes it has besides none) and
   `checkpoint_units(model, mode)`: the modules that mode recomputes in backward (models/checkpointing.py);
+- `initialiser(model)`: its initialisation of one module (`init(module)`, run on each module above a
+  parameter too: what models/initial.py draws each tensor by);
+- optionally `pretrained_tensors(options, model)`: (file, key) of each tensor of pretrained weights;
 - `export(model, out, spec, info)`: the format its users load.
 
 Adding a family: write its module and add one line to `FAMILIES` (docs/architecture.md shows one).
@@ -25,12 +29,13 @@ Adding a family: write its module and add one line to `FAMILIES` (docs/architect
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import ModuleType
 
 import torch
 from torch import nn
 
-from . import causal_lm, checkpointing, gpt2, vgg
+from . import causal_lm, checkpointing, gpt2, initial, vgg
 from .task import ImageClassification, LanguageModelling, Task
 
 FAMILIES: dict[str, ModuleType] = {"gpt2": gpt2, "causal-lm": causal_lm, "vgg": vgg}
@@ -56,10 +61,23 @@ def task_metrics(name: str) -> tuple[str, ...]:
     return LanguageModelling.metrics if data_kind(name) == "text" else ImageClassification.metrics
 
 
-def build(spec, info, seed: int) -> tuple[nn.Module, Task]:
-    """The model (on CPU, in fp32, identical on every rank for the same seed) and its task."""
+def build(spec, info, seed: int, on_meta: bool = False) -> tuple[nn.Module, Task]:
+    """The model in fp32 and its task, with the default generator seeded with `seed` (dropout's stream, the
+    same on every rank). Its weights are the same whichever process builds it: a pretrained model's from its
+    files, a random one's drawn by name (models/initial.py). With `on_meta`, parameters on the meta device
+    (buffers real) for an engine to materialise only its own part (strategies/initial.py fills it)."""
     torch.manual_seed(seed)
-    return family_of(spec.name).build(spec.name, spec.options, info)
+    probe = torch.empty(0)
+    if probe.device.type == "meta" or type(probe).__name__ == "FakeTensor":
+        # shapes only (estimate, parameter counts): nothing is drawn or read
+        return family_of(spec.name).build(spec.name, spec.options, info)
+    with initial.parameters_on_meta():
+        model, task = family_of(spec.name).build(spec.name, spec.options, info)
+    if not on_meta:
+        # drawn on a model of its own, whose other parameters have no storage to draw into (initial.draw)
+        template = build(spec, info, seed, on_meta=True)[0]
+        fill(initial.materialise(model, "cpu"), template, spec, seed)
+    return model, task
 
 
 def build_on_meta(spec, info) -> tuple[nn.Module, Task]:
@@ -67,6 +85,37 @@ def build_on_meta(spec, info) -> tuple[nn.Module, Task]:
     activations before anything runs, for any model size, in milliseconds."""
     with torch.device("meta"):
         return build(spec, info, seed=0)
+
+
+def initialiser(model: nn.Module):
+    """The model's own initialisation of one module (what `initial.draw` runs)."""
+    return FAMILIES[model.family].initialiser(model)
+
+
+def pretrained_tensors(spec, model: nn.Module) -> dict[str, tuple[Path, str]] | None:
+    """Where each of the model's tensors is stored, (file, key), for a model of pretrained weights; None
+    for random ones (drawn by name)."""
+    found = getattr(family_of(spec.name), "pretrained_tensors", None)
+    return found(spec.options, model) if found is not None else None
+
+
+def fill(model: nn.Module, template: nn.Module, spec, seed: int) -> nn.Module:
+    """Every tensor of a whole model (materialised) at its start, a tied tensor once: read from a pretrained
+    model's files, or drawn by name on `template` (the same model, built on the meta device)."""
+    from safetensors import safe_open
+
+    stored = pretrained_tensors(spec, template)
+    tensors, _ = initial.tensor_names(model)
+    init = None if stored is not None else initialiser(template)
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if stored is None:
+                t.copy_(initial.draw(template, name, seed, init))
+            else:
+                file, key = stored[name]
+                with safe_open(str(file), "pt") as f:
+                    t.copy_(f.get_tensor(key))
+    return model
 
 
 def parameter_count(model: nn.Module) -> int:

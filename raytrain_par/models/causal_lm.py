@@ -34,6 +34,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from . import gpt2, lm
+from .initial import hf_init
 from .plans import TensorParallelPlan, llama_style
 from .task import Task
 
@@ -135,30 +136,67 @@ def pretrained_dir(given: str) -> Path:
     return found
 
 
-def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a save_pretrained directory's safetensors weights, with its shape, read from the
-    files' headers (nothing loaded). Pickled weights (pytorch_model.bin) are refused: loading a pickle
-    runs code from the file."""
-    from safetensors import safe_open
-
+def weight_files(directory: Path) -> list[Path]:
+    """A save_pretrained directory's safetensors files: those its sharded index names, else model.safetensors.
+    Pickled weights (pytorch_model.bin) are refused: loading a pickle runs code from the file. A file the
+    index names that is not there is refused, naming it."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
-    else:
-        files = [directory / "model.safetensors"] if (directory / "model.safetensors").is_file() else []
-    if not files:
-        pickled = [f.name for f in directory.glob("*.bin")]
-        raise ConfigError("model.pretrained", str(directory), "holds no safetensors weights" +
-                          (f" ({', '.join(pickled)} is a pickle, which is not loaded: loading it runs code from the "
-                           "file)" if pickled else ""),
-                          "save the model with save_pretrained(dir) (safetensors, transformers' default), or convert "
-                          "it once where you trust the file")
+        try:
+            files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError("model.pretrained", str(directory), f"its {index.name} is not a weight index ({e!r})",
+                              "save the model again with save_pretrained(dir)") from None
+        gone = [f.name for f in files if not f.is_file()]
+        if gone:
+            raise ConfigError("model.pretrained", str(directory),
+                              f"its {index.name} names {len(gone)} file(s) that are not there: {', '.join(gone[:3])}",
+                              "copy the missing shard files beside the index (or download the model again)")
+        return files
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
+    pickled = [f.name for f in directory.glob("*.bin")]
+    raise ConfigError("model.pretrained", str(directory), "holds no safetensors weights" +
+                      (f" ({', '.join(pickled)} is a pickle, which is not loaded: loading it runs code from the "
+                       "file)" if pickled else ""),
+                      "save the model with save_pretrained(dir) (safetensors, transformers' default), or convert "
+                      "it once where you trust the file")
+
+
+def weight_shapes(directory: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor of a save_pretrained directory's safetensors weights: its file and shape, read from the
+    files' headers (nothing loaded)."""
+    from safetensors import safe_open
+
     shapes = {}
-    for f in files:
+    for f in weight_files(directory):
         with safe_open(str(f), "pt") as weights:
             for key in weights.keys():
-                shapes[key] = tuple(weights.get_slice(key).get_shape())
+                shapes[key] = (f, tuple(weights.get_slice(key).get_shape()))
     return shapes
+
+
+def _stored_as(directory: Path, wanted: dict[str, tuple[int, ...]], prefix: str) -> dict[str, tuple[Path, str, tuple]]:
+    """Each of the model's tensors `wanted` (name -> shape) -> (file, stored key, shape) in a pretrained
+    directory: a key as the model names it, or with the base model's prefix added or taken off (how
+    transformers matches them). A tensor at another shape, or missing, is refused naming it."""
+    found: dict[str, tuple[Path, str, tuple]] = {}
+    for key, (file, shape) in weight_shapes(directory).items():
+        names = [key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")]
+        name = next((n for n in names if n in wanted), None)
+        if name is None:
+            continue  # a tensor the model does not hold (a saved buffer): transformers leaves it out too
+        if shape != wanted[name]:
+            raise ConfigError("model.pretrained", str(directory),
+                              f"its {key} is {list(shape)}, the model's {list(wanted[name])}",
+                              "use the config the weights were saved with: remove model.overrides that change sizes")
+        found[name] = (file, key, shape)
+    missing = [n for n in wanted if n not in found]
+    if missing:
+        raise ConfigError("model.pretrained", str(directory),
+                          f"its weights lack {len(missing)} of the model's {len(wanted)} tensors, e.g. {missing[0]}",
+                          "give a checkpoint of this model (the config.json beside the weights decides the model)")
+    return found
 
 
 def check_weights(options: Options, config) -> None:
@@ -166,27 +204,12 @@ def check_weights(options: Options, config) -> None:
     size): refused before anything starts, naming the first that differs."""
     from transformers import AutoModelForCausalLM
 
+    from .initial import tensor_names
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    prefix = model.base_model_prefix
-    found: set[str] = set()
-    for key, shape in weight_shapes(Path(options.pretrained)).items():
-        names = [key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")]
-        name = next((n for n in names if n in wanted), None)
-        if name is None:
-            continue  # a tensor the model does not hold (a saved buffer): transformers leaves it out too
-        if shape != wanted[name]:
-            raise ConfigError("model.pretrained", options.pretrained,
-                              f"its {key} is {list(shape)}, the model's {list(wanted[name])}",
-                              "use the config the weights were saved with: remove model.overrides that change sizes")
-        found.add(name)
-    tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-    missing = [n for n in wanted if n not in found and n not in tied]
-    if missing:
-        raise ConfigError("model.pretrained", options.pretrained,
-                          f"its weights lack {len(missing)} of the model's {len(wanted)} tensors, e.g. {missing[0]}",
-                          "give a checkpoint of this model (the config.json beside the weights decides the model)")
+    wanted, _ = tensor_names(model)
+    _stored_as(Path(options.pretrained), {k: tuple(v.shape) for k, v in wanted.items()}, model.base_model_prefix)
 
 
 @functools.lru_cache(maxsize=16)
@@ -232,17 +255,23 @@ def max_positions(config) -> int | None:
 
 
 def build(name: str, options: Options, info) -> tuple[nn.Module, Task]:
+    """The model of the config (a pretrained model's weights are read into it by models.build: `pretrained_tensors`)."""
     from transformers import AutoModelForCausalLM
 
-    config = load(options)
-    probe = torch.empty(0)
-    if options.pretrained is None or probe.device.type == "meta" or type(probe).__name__ == "FakeTensor":
-        # random weights; or shapes only (estimate, parameter counts), where weights are never read
-        return lm.finish(AutoModelForCausalLM.from_config(config), "causal-lm", info)
-    # Every worker loads the same weights; each strategy then shards them as it shards random ones.
-    model = AutoModelForCausalLM.from_pretrained(options.pretrained, config=config, dtype=torch.float32,
-                                                 use_safetensors=True)
-    return lm.finish(model, "causal-lm", info)
+    return lm.finish(AutoModelForCausalLM.from_config(load(options)), "causal-lm", info)
+
+
+def pretrained_tensors(options: Options, model: nn.Module) -> dict[str, tuple[Path, str]] | None:
+    """model.pretrained: where each of the model's tensors is stored, (file, key), a tied tensor under the
+    name it is kept by (models/initial.py `tensor_names`); None for random weights."""
+    if options.pretrained is None:
+        return None
+    from .initial import tensor_names
+
+    wanted, _ = tensor_names(model)
+    stored = _stored_as(Path(options.pretrained), {k: tuple(v.shape) for k, v in wanted.items()},
+                        model.base_model_prefix)
+    return {name: stored[name][:2] for name in wanted}
 
 
 def _layers_count(config) -> int:
@@ -271,6 +300,7 @@ def plan_of_config(config) -> TensorParallelPlan | None:
 
 
 export = lm.export
+initialiser = hf_init
 checkpoint_units = lm.checkpoint_units
 CHECKPOINTING = lm.CHECKPOINTING
 

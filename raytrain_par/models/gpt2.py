@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from . import lm
+from .initial import hf_init
 from .plans import TensorParallelPlan
 from .task import Task
 
@@ -84,6 +85,7 @@ def plan_of(model: nn.Module) -> TensorParallelPlan:
 
 
 export = lm.export
+initialiser = hf_init
 checkpoint_units = lm.checkpoint_units
 CHECKPOINTING = lm.CHECKPOINTING
 

@@ -38,8 +38,34 @@ def layout_of(strategy, workers: int) -> Layout:
 
 
 def build_engine(strategy, model, task, train, ctx: DistContext, total_steps: int) -> Engine:
-    """`strategy`: the experiment's StrategySpec (name + options)."""
+    """`strategy`: the experiment's StrategySpec (name + options). `model`: whole, or built with its parameters
+    on the meta device (models.build's `on_meta`): the engine then gives storage only to what this rank
+    holds, to be filled (`start_from_initial`, or a checkpoint's `load`)."""
     return engine_class(strategy.name, strategy.options)(model, task, train, strategy.options, ctx, total_steps)
 
 
-__all__ = ["DistContext", "Engine", "Layout", "NAMES", "REGISTRY", "engine_class", "layout_of", "build_engine"]
+def start_engine(spec, info, ctx: DistContext, total_steps: int, fill: bool = True):
+    """(engine, task) of experiment `spec` on this rank: the model built on the meta device, then only what
+    this rank holds given storage; with `fill`, filled with the weights the run starts from (a run that
+    resumes fills it from its checkpoint instead)."""
+    from .. import models
+
+    model, task = models.build(spec.model, info, spec.train.seed, on_meta=True)
+    engine = build_engine(spec.strategy, model, task, spec.train, ctx, total_steps)
+    if fill:
+        start_from_initial(engine, spec, info)
+    return engine, task
+
+
+def start_from_initial(engine: Engine, spec, info) -> None:
+    """What `engine` holds filled with the weights run `spec` starts from (strategies/initial.py), as it would
+    be from a checkpoint (`Engine.load_pieces`): every rank at once, each reading its own pieces."""
+    from .initial import initial_weights
+
+    initial = initial_weights(spec.model, info, spec.train.seed)
+    engine.load_pieces(initial)
+    initial.done()
+
+
+__all__ = ["DistContext", "Engine", "Layout", "NAMES", "REGISTRY", "engine_class", "layout_of", "build_engine",
+           "start_engine", "start_from_initial"]

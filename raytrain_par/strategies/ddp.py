@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..metrics.memory import Sharding, StateBytes
 from .layout import Layout
 from .base import Engine
+from ..models.initial import materialise
 from .context import DistContext
 from .optim import build_optimizer, lr_factor
 
@@ -70,7 +71,7 @@ class DDPEngine(Engine):
 
     def __init__(self, model: nn.Module, task, train, options: Options, ctx: DistContext, total_steps: int):
         super().__init__(model, task, train, options, ctx, total_steps)
-        self.model = model.to(self.device)
+        self.model = materialise(model, self.device)  # storage for a model built on the meta device
         if ctx.distributed:
             self.module = DistributedDataParallel(
                 self.model,

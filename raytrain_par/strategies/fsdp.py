@@ -29,6 +29,7 @@ from torch import nn
 from ..metrics.memory import Sharding, StateBytes
 from .layout import Layout
 from .base import Engine
+from ..models.initial import materialise
 from .weights import one_by_one
 from .context import DTYPES, DistContext
 from .dtensor import whole_tensor
@@ -114,7 +115,7 @@ class FSDPEngine(Engine):
 
         super().__init__(model, task, train, options, ctx, total_steps)
 
-        self.model = model.to(self.device)
+        self.model = model
         self.sharded = ctx.distributed
         if self.sharded:
             mesh = self.placement.mesh_of("dp")  # every worker
@@ -130,7 +131,8 @@ class FSDPEngine(Engine):
                 for m in self.model.modules():
                     if isinstance(m, FSDPModule):
                         m.set_custom_reduce_scatter(comm)
-        self.module = self.model
+        # storage for this rank's shards only, where the model was built on the meta device
+        self.module = self.model = materialise(self.model, self.device)
         self.optimizer = build_optimizer(self.model, train)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train, total_steps))
 

@@ -42,6 +42,7 @@ from .. import models
 from ..metrics.memory import SavedActivations
 from ..models import causal_lm
 from ..models.causal_lm import SPLIT_FAMILIES
+from ..models.initial import materialise
 from . import tensor_parallel as tp_ops
 from .layout import Layout, check_sharding
 from .pipeline import Schedule
@@ -185,7 +186,7 @@ class MegatronEngine(SplitState, Engine):
         self.plain_keys = list(model.state_dict())  # names (and order) of the plain model's state dict
         split = split_lm(model, self.tp, self.rng)
         self.model, self.splits, self.vocab_names, self.tied_head = split.model, split.cuts, split.vocab, split.tied_head
-        self.model.to(self.device)
+        materialise(self.model, self.device)  # this rank's cut only, for a model built on the meta device
         self.dp_bytes = 0
         if self.fsdp:
             from torch.distributed.fsdp import fully_shard

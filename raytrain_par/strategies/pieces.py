@@ -235,6 +235,10 @@ class Source:
                                  f"{region.numel} elements of [{_span(region.start, region.size)}] that this rank needs")
         return out
 
+    def done(self) -> None:
+        """Every piece read: what the source keeps to read more is let go (its open files)."""
+        self._files.clear()
+
     def read(self, name: str) -> torch.Tensor:
         """A stored tensor whole (a scalar state, a small tensor every rank holds)."""
         name = self.original(name)

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from .. import models
+from ..models.initial import materialise
 from .base import padded
 from .context import DTYPES
 from .dtensor import local_tensor, whole_tensor
@@ -217,7 +218,8 @@ class Pipeline:
                 elif tie.counted is None:
                     tie.counted = (s, local)
             self.ties.append(tie)
-        self.modules: dict[int, nn.Module] = {s: every[s].to(self.device) for s in self.local}
+        # this rank's stages only given storage, for a model built on the meta device
+        self.modules: dict[int, nn.Module] = {s: materialise(every[s], self.device) for s in self.local}
         del every, layers, slots, holders
 
         # The ranks holding a tie's copies in each pipeline (one group per data-parallel and tensor rank).

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..metrics.memory import Sharding, StateBytes, model_state_census, optimizer_state_bytes, optimizer_tensors
+from ..models.initial import materialise
 from .layout import Layout
 from .base import Engine, optimizer_description, split_batch
 from .context import DTYPES, DistContext
@@ -306,7 +307,7 @@ class ZeroEngine(Engine):
         config = merged(deepspeed_config(self.stage, options, train, train.global_batch_size, self.dp_size,
                                          self.num_params, self.device.type), options.deepspeed)
         self.deepspeed_config = config  # (as DeepSpeed was given it: what metrics/comm.py predicts from)
-        self.model = model.to(self.device)
+        self.model = materialise(model, self.device)  # storage for a model built on the meta device
         optimizer = build_optimizer(self.model, train)
         self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.model, optimizer=optimizer, config=config,
