@@ -160,6 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     exp = add("export", help="write the plain model of a run's latest checkpoint")
     exp.add_argument("run_dir", help="results directory of a run (results/<experiment>) or a checkpoint")
     exp.add_argument("--out", required=True, help="directory to write the model into")
+    exp.add_argument("--max-shard-size", default="5GB", help="largest weights file; a larger model is written in "
+                     "shards with model.safetensors.index.json, as Hugging Face's (default: 5GB)")
 
     rep = add("reproduce", help="run findings of the study and write a page per finding (held or not, with the "
               "numbers); all of them when none is named")
@@ -276,7 +278,7 @@ def _dispatch(args):
     if args.command == "export":
         from .export import export
 
-        export(args.run_dir, args.out)
+        export(args.run_dir, args.out, args.max_shard_size)
         return 0
     spec = load_experiment(args.experiment, args.overrides, check_data=args.command != "estimate")
     swept = None

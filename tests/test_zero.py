@@ -272,3 +272,47 @@ def test_export_writes_a_vgg_checkpoint_as_safetensors(tmp_path, info):
         export(tmp_path / "run", tmp_path / "refused", log=lambda *_: None)
     assert f"missing ['{first[0]}'], unexpected ['extra.weight']" in str(err.value) and "fix:" in str(err.value)
     assert not (tmp_path / "refused").exists()
+
+
+def test_export_streams_a_language_model_into_hugging_face_shards(tmp_path, info):
+    """Beyond --max-shard-size the weights go into model-0000k-of-0000n.safetensors files of at most that size
+    with model.safetensors.index.json, as save_pretrained writes them; transformers loads them as the model the
+    checkpoint holds (the tied LM head kept once). Under the limit: one model.safetensors, no index. A size
+    that is not one is refused."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_par.export import export
+    from raytrain_par.strategies import state
+    from raytrain_par.strategies.pieces import Piece
+
+    raw = experiment("gpt2-tiny", "kjv", strategy="ddp", workers=2)
+    spec, data_info = config.from_dict(raw), DatasetInfo.from_json(info("kjv"))
+    trained, _ = models.build(spec.model, data_info, seed=1)
+    ckpt = tmp_path / "run" / "checkpoint_4"
+    ckpt.mkdir(parents=True)
+    held = [(name, Piece.whole(t.shape), t) for name, t in trained.state_dict().items() if name != "lm_head.weight"]
+    state.write_parts(ckpt, state.Parts(held, {}, {"lm_head.weight": "transformer.wte.weight"},
+                                        {"optimizer": "AdamW", "scheduler": {}}), 4, 0)
+    (ckpt / "loop.json").write_text(json.dumps({"state": {"step": 4}, "experiment": raw, "data": info("kjv")}))
+    limit = 300_000
+    export(tmp_path / "run", tmp_path / "sharded", max_shard_size=limit, log=lambda *_: None)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert "lm_head.weight" not in index["weight_map"] and not (tmp_path / "sharded" / "model.safetensors").exists()
+    largest = max(t.numel() * 4 for t in trained.state_dict().values())
+    for f in files:  # each at most the limit, or one tensor larger than it alone
+        assert (tmp_path / "sharded" / f).stat().st_size <= max(limit, largest) + 4096, f
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded")
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    for key, value in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    export(tmp_path / "run", tmp_path / "whole", log=lambda *_: None)
+    assert (tmp_path / "whole" / "model.safetensors").is_file()
+    assert not (tmp_path / "whole" / "model.safetensors.index.json").exists()
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "whole").lm_head.weight, trained.lm_head.weight)
+    with pytest.raises(UserError) as err:
+        export(tmp_path / "run", tmp_path / "bad", max_shard_size="five gigabytes", log=lambda *_: None)
+    assert "--max-shard-size" in str(err.value) and "fix:" in str(err.value)

@@ -22,7 +22,8 @@ A family is a module with:
 - `initialiser(model)`: its initialisation of one module (`init(module)`, run on each module above a
   parameter too: what models/initial.py draws each tensor by);
 - optionally `pretrained_tensors(options, model)`: (file, key) of each tensor of pretrained weights;
-- `export(model, out, spec, info)`: the format its users load.
+- `export(model, out, spec, info, write_weights)`: the format its users load (the model on the meta
+  device; `write_weights()` streams the weights into Hugging Face's safetensors files).
 
 Adding a family: write its module and add one line to `FAMILIES` (docs/architecture.md shows one).
 """
@@ -162,5 +163,7 @@ def checkpoint_activations(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
-def export(model: nn.Module, out, spec, info) -> None:
-    family_of(spec.model.name).export(model, out, spec, info)
+def export(model: nn.Module, out, spec, info, write_weights) -> None:
+    """`model` (on the meta device: its config, names and shapes) in the format its family's users load;
+    `write_weights()` writes its weights into `out` (export.write_weights)."""
+    family_of(spec.model.name).export(model, out, spec, info, write_weights)

@@ -32,9 +32,16 @@ def checkpoint_units(model: nn.Module, mode: str) -> list[nn.Module]:
     return checkpointing.transformer_units(model, mode)
 
 
-def export(model: nn.Module, out: Path, spec, info) -> None:
-    """transformers' `save_pretrained` directory (AutoModelForCausalLM.from_pretrained loads it), with
-    the tokenizer the run trained on as tokenizer.json."""
-    model.save_pretrained(out)
+def export(model: nn.Module, out: Path, spec, info, write_weights) -> None:
+    """transformers' `save_pretrained` directory (AutoModelForCausalLM.from_pretrained loads it): its config
+    and generation config from `model` (on the meta device), the weights by `write_weights()`, and the
+    tokenizer the run trained on as tokenizer.json."""
+    # what save_pretrained writes beside the weights
+    model.config.dtype = str(model.dtype).split(".")[1]
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out)
+    if model.can_generate():
+        model.generation_config.save_pretrained(out)
+    write_weights()
     if info.tokenizer_path and Path(info.tokenizer_path).exists():
         shutil.copy2(info.tokenizer_path, Path(out) / "tokenizer.json")

@@ -63,11 +63,9 @@ def plan_of(model: nn.Module) -> None:
     return None
 
 
-def export(model: nn.Module, out, spec, info) -> None:
-    """A safetensors file and config.json describing how to rebuild the model."""
-    from safetensors.torch import save_model
-
-    save_model(model, str(out / "model.safetensors"))
+def export(model: nn.Module, out, spec, info, write_weights) -> None:
+    """The weights (`write_weights()`: model.safetensors) and config.json describing how to rebuild the model."""
+    write_weights()
     description = {"model": spec.to_dict()["model"], "image_shape": info.image_shape,
                    "num_classes": info.num_classes, "mean": info.mean, "std": info.std,
                    "build": "raytrain_par.models.vgg.VGG(name, channels, num_classes, image_size, width, dropout)"}

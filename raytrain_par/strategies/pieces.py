@@ -264,29 +264,22 @@ PIECES_FILE = "pieces-rank{rank}.safetensors"
 PIECES_INDEX = "pieces-rank{rank}.json"
 
 
-class PieceWriter:
-    """One rank's pieces in one safetensors file, each byte written once: the header (every entry's dtype,
-    shape and offsets, known before any data) first, then each tensor's bytes as it comes, hashed as they
-    are written (safetensors' own writer takes every tensor at once). Beside it, the rank's part
-    of the index: each entry's tensor name, global shape and box."""
+class SafetensorsStream:
+    """A safetensors file written as its tensors come, each byte once: the header (every entry's dtype, shape
+    and offsets, known before any data) first, then each tensor's bytes in the order the entries were given,
+    hashed as they are written. (safetensors' own writer takes every tensor at once.)"""
 
-    def __init__(self, directory: Path, rank: int, entries: Iterable[tuple[str, Piece, torch.dtype]]):
-        """`entries`: (tensor name, piece, dtype) of each tensor this rank writes, in the order `add` will
-        be called; each region of a piece is an entry of its own (`<name>#<k>`)."""
-        self.path = Path(directory) / PIECES_FILE.format(rank=rank)
-        self.index_path = Path(directory) / PIECES_INDEX.format(rank=rank)
-        header, self.order, tensors, offset = {}, [], {}, 0
-        for name, piece, dtype in entries:
-            size = torch.empty((), dtype=dtype).element_size()
-            stored = tensors.setdefault(name, {"shape": list(piece.shape), "dtype": dtype_name(dtype), "pieces": []})
-            for k, region in enumerate(piece.regions):
-                key = f"{name}#{k}"
-                nbytes = region.numel * size
-                header[key] = {"dtype": dtype_name(dtype), "shape": list(region.size), "data_offsets": [offset, offset + nbytes]}
-                stored["pieces"].append({"key": key, "start": list(region.start)})
-                self.order.append((name, k, key, nbytes))
-                offset += nbytes
-        self.tensors = tensors
+    def __init__(self, path: Path, entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        header, self.order, offset = {}, [], 0
+        if metadata:
+            header["__metadata__"] = metadata
+        for key, shape, dtype in entries:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[key] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self.order.append((key, nbytes))
+            offset += nbytes
         head = json.dumps(header, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 8)
         self.file = open(self.path, "wb")
@@ -298,24 +291,52 @@ class PieceWriter:
         self.file.write(data)
         self.hash.update(data)
 
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        """The next entry's bytes, from `tensor` (any device, any layout, of the entry's shape and dtype)."""
+        expected, nbytes = self.order[self._next]
+        assert key == expected, f"{key} written out of order ({expected} next)"
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        assert data.nbytes == nbytes, (key, data.nbytes, nbytes)
+        self._write(memoryview(data))
+        self._next += 1
+
+    def close(self) -> dict:
+        """The file closed, every entry written; its size and SHA-256."""
+        assert self._next == len(self.order), f"{len(self.order) - self._next} entries not written"
+        self.file.close()
+        return {"bytes": self.path.stat().st_size, "sha256": self.hash.hexdigest()}
+
+
+class PieceWriter:
+    """One rank's pieces in one safetensors file (`SafetensorsStream`: each byte written once, hashed as it is
+    written). Beside it, the rank's part of the index: each entry's tensor name, global shape and box."""
+
+    def __init__(self, directory: Path, rank: int, entries: Iterable[tuple[str, Piece, torch.dtype]]):
+        """`entries`: (tensor name, piece, dtype) of each tensor this rank writes, in the order `add` will
+        be called; each region of a piece is an entry of its own (`<name>#<k>`)."""
+        self.index_path = Path(directory) / PIECES_INDEX.format(rank=rank)
+        stream, tensors = [], {}
+        for name, piece, dtype in entries:
+            stored = tensors.setdefault(name, {"shape": list(piece.shape), "dtype": dtype_name(dtype), "pieces": []})
+            for k, region in enumerate(piece.regions):
+                stream.append((f"{name}#{k}", tuple(region.size), dtype))
+                stored["pieces"].append({"key": f"{name}#{k}", "start": list(region.start)})
+        self.tensors = tensors
+        self.stream = SafetensorsStream(Path(directory) / PIECES_FILE.format(rank=rank), stream)
+        self.path = self.stream.path
+
     def add(self, name: str, piece: Piece, local: torch.Tensor) -> None:
         """The regions of `piece` from this rank's tensor `local`, in the order the entries were given."""
         for k, region in enumerate(piece.regions):
-            expected, part, key, nbytes = self.order[self._next]
-            assert (expected, part) == (name, k), f"{name} written out of order ({key} next)"
-            data = region.view(local.detach()).to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-            assert data.nbytes == nbytes, (key, data.nbytes, nbytes)
-            self._write(memoryview(data))
-            self._next += 1
+            self.stream.add(f"{name}#{k}", region.view(local.detach()))
 
     def close(self, scalars: dict | None = None, aliases: dict[str, str] | None = None) -> dict:
         """The file closed (every entry written) and the rank's index part written, with the states that are
         numbers and the names tied to another tensor's; the file's size and SHA-256."""
-        assert self._next == len(self.order), f"{len(self.order) - self._next} pieces not written"
-        self.file.close()
+        done = self.stream.close()
         self.index_path.write_text(json.dumps({"file": self.path.name, "tensors": self.tensors,
                                                "scalars": scalars or {}, "aliases": aliases or {}}, indent=1))
-        return {"bytes": self.path.stat().st_size, "sha256": self.hash.hexdigest()}
+        return done
 
 
 def read_pieces(directory: Path) -> Source:
