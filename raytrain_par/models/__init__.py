@@ -108,14 +108,16 @@ def fill(model: nn.Module, template: nn.Module, spec, seed: int) -> nn.Module:
     stored = pretrained_tensors(spec, template)
     tensors, _ = initial.tensor_names(model)
     init = None if stored is not None else initialiser(template)
+    files = {}  # each file opened once
     with torch.no_grad():
         for name, t in tensors.items():
             if stored is None:
                 t.copy_(initial.draw(template, name, seed, init))
             else:
                 file, key = stored[name]
-                with safe_open(str(file), "pt") as f:
-                    t.copy_(f.get_tensor(key))
+                if file not in files:
+                    files[file] = safe_open(str(file), "pt")
+                t.copy_(files[file].get_tensor(key))
     return model
 
 

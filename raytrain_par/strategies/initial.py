@@ -53,15 +53,11 @@ class Drawn(Source):
 
 def pretrained(template: nn.Module, stored: dict[str, tuple[Path, str]]) -> Source:
     """A pretrained model's files as stored pieces: each of the model's tensors, whole, under the model's name."""
-    from safetensors import safe_open
-
     source = Source()
     for name, (file, key) in stored.items():
-        with safe_open(str(file), "pt") as f:
-            sliced = f.get_slice(key)
-            shape = tuple(sliced.get_shape())
-            dtype = DTYPES[sliced.get_dtype()]
-        source.add(name, shape, dtype, Stored(Path(file), key, (0,) * len(shape), shape))
+        sliced = source._open(file).get_slice(key)  # each file opened once, kept for the reads
+        shape = tuple(sliced.get_shape())
+        source.add(name, shape, DTYPES[sliced.get_dtype()], Stored(Path(file), key, (0,) * len(shape), shape))
     source.aliases.update(initial.tensor_names(template)[1])
     return source
 
