@@ -109,6 +109,43 @@ def test_each_rank_starts_with_its_share_only(info, strategy, most):
     assert min(held) > 0, held
 
 
+def whole_parameters_while_zero3_builds(rank, world, spec_dict, info_dict):
+    """zero-3's engine started on a model built on the meta device, watching each parameter as it is given
+    storage: the elements of the other parameters then held whole (DeepSpeed's persistent ones, kept
+    gathered by design, excepted), the most at any time; and how many parameters were given storage."""
+    from raytrain_par.models import initial
+
+    given, most, count = initial.given_storage, [0], [0]
+
+    def watched(module, device, dtype=None):
+        params = list({id(p): p for p in module.parameters()}.values())
+        for p in given(module, device, dtype):
+            whole = sum(q.data.numel() for q in params if q is not p and q.device.type != "meta"
+                        and q.data.numel() > 0 and not getattr(q, "ds_persist", False))
+            most[0], count[0] = max(most[0], whole), count[0] + 1
+            yield p
+
+    initial.given_storage = watched
+    spec, info = config.from_dict(spec_dict), DatasetInfo.from_json(info_dict)
+    engine, _ = strategies.start_engine(spec, info, DistContext.current(torch.device("cpu")), 4)
+    partitions = sum(p.ds_tensor.numel() for p in engine.model.parameters())
+    return most[0], count[0], partitions
+
+
+def test_zero3_partitions_each_parameter_before_the_next_is_given_storage(info):
+    """gpt2-mini on 2 ranks: DeepSpeed's zero.Init partitions every parameter as soon as it has storage, so a
+    rank never holds one parameter whole beside another (the whole model, as `deepspeed.initialize` would
+    partition it, never exists), and ends with half of every tensor."""
+    spec = experiment("gpt2-mini", "kjv", strategy="zero-3", workers=2)
+    whole, _ = models.build(config.from_dict(spec).model, DatasetInfo.from_json(info("kjv")), seed=0)
+    params = list({id(p): p for p in whole.parameters()}.values())
+    out = run_ranks(2, whole_parameters_while_zero3_builds, spec, info("kjv"))
+    for most, count, partitions in out:
+        assert count == len(params)  # every parameter (the tied LM head once) went through it
+        assert most == 0, most
+        assert partitions == sum(math.ceil(p.numel() / 2) for p in params)
+
+
 def test_a_sharded_checkpoint_is_read_by_slices_and_a_missing_shard_refused(tmp_path, info):
     """A pretrained directory in Hugging Face's sharded layout (model-0000k-of-0000n.safetensors and its
     index): every strategy reads its pieces from the shards (test_pretrained checks the loss); a shard the

@@ -149,6 +149,27 @@ def materialise(module: nn.Module, device: torch.device | str) -> nn.Module:
     return module.to(device)
 
 
+def given_storage(module: nn.Module, device: torch.device | str,
+                  dtype: torch.dtype | None = None) -> Iterator[nn.Parameter]:
+    """Each distinct parameter of `module` still on the meta device, given storage on `device` (values
+    undefined; floating-point ones in `dtype` where given) just before it is yielded, the same parameter
+    object (a tied one stays one): for a caller that shards each one as it comes, so that a rank never
+    holds more than one whole tensor beside its shards. Buffers are moved to `device` first."""
+    for m in module.modules():
+        for key, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[key] = b.to(device)
+    seen: set[int] = set()
+    for p in module.parameters():
+        if p.device.type != "meta" or id(p) in seen:
+            continue
+        seen.add(id(p))
+        kind = dtype if dtype is not None and p.is_floating_point() else p.dtype
+        torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device, dtype=kind),
+                                                 requires_grad=p.requires_grad))
+        yield p
+
+
 @contextlib.contextmanager
 def _swapping():
     """Module conversions swap each parameter's contents in place (torch.utils.swap_tensors), so that a

@@ -307,8 +307,14 @@ class ZeroEngine(Engine):
         config = merged(deepspeed_config(self.stage, options, train, train.global_batch_size, self.dp_size,
                                          self.num_params, self.device.type), options.deepspeed)
         self.deepspeed_config = config  # (as DeepSpeed was given it: what metrics/comm.py predicts from)
-        self.model = materialise(model, self.device)  # storage for a model built on the meta device
-        optimizer = build_optimizer(self.model, train)
+        if self.stage == 3 and any(p.device.type == "meta" for p in model.parameters()):
+            # the optimizer first: it groups parameters by their shapes (no weight decay on vectors), which
+            # partitioning empties
+            optimizer = build_optimizer(model, train)
+            self.model = _partitioned(model, config, self.device, DTYPES[train.precision])
+        else:
+            self.model = materialise(model, self.device)  # storage for a model built on the meta device
+            optimizer = build_optimizer(self.model, train)
         self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=self.model, optimizer=optimizer, config=config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(train, total_steps)),
@@ -533,6 +539,32 @@ class ZeroEngine(Engine):
             return safe_get_full_fp32_param(t).reshape(_shape(t)) if isinstance(t, nn.Parameter) else t
 
         yield from one_by_one(self.model.state_dict(keep_vars=True), whole, keep=everywhere or self.ctx.rank == 0)
+
+
+def _partitioned(model: nn.Module, config: dict, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """ZeRO-3's partitions of a model built on the meta device, made one parameter at a time: each is given
+    storage (values undefined: the engine fills its partition from the run's initial weights or checkpoint)
+    and handed to DeepSpeed's `zero.Init`, which partitions it and frees the whole tensor before the next is
+    made, so a rank never holds more than one whole parameter beside its partitions. `zero.Init(module=model)`
+    alone would want every parameter's storage at once (the whole model on every rank), and as a context
+    around the model's construction it needs the model built inside it, where here it is built before the
+    engine. The first parameter goes through `zero.Init(module=...)`, the rest through the converter it
+    attaches to every parameter it makes (`convert_to_zero_parameters`, which DeepSpeed's own engine uses
+    to convert parameters added later), consumed lazily; a last `zero.Init(module=model)` finds every
+    parameter converted and does the rest of what it does to a model (the buffers it keeps in fp32), as
+    `deepspeed.initialize` would have. zero.Init broadcasts each tensor from the first rank as it
+    partitions it, undefined values included: one model's worth of traffic, once, at the start."""
+    import deepspeed
+
+    from ..models.initial import given_storage
+
+    stream = given_storage(model, device, dtype)  # in the dtype DeepSpeed computes in, as under zero.Init
+    holder = nn.Module()
+    holder.register_parameter("first", next(stream))
+    deepspeed.zero.Init(module=holder, config_dict_or_path=config)
+    holder.first.convert_to_zero_parameters(stream)
+    deepspeed.zero.Init(module=model, config_dict_or_path=config)
+    return model
 
 
 def _at_end_of_backward(fn):
