@@ -130,9 +130,11 @@ class ScalingSpec:
     # elastic runs: seconds between two looks at the cluster for a larger (or smaller) worker group
     resize_interval_s: float = 60.0
     # CPU workers (use_gpu false) -- caching: each worker's C heap keeps what a step frees for the next
-    # step (no page faults on reused memory; see metrics/memory.py); system: glibc's defaults, freed
-    # memory goes back to the system. It is the Ray job's environment: one value for a whole sweep.
-    host_allocator: Literal["caching", "system"] = "caching"
+    # step (no page faults on reused memory; see metrics/memory.py); system: glibc's defaults;
+    # returning: every block of 64 KiB or more mapped on its own and returned to the system when freed,
+    # so a worker's resident memory follows what it uses (page faults every step). It is the Ray job's
+    # environment: one value for a whole sweep.
+    host_allocator: Literal["caching", "system", "returning"] = "caching"
     min_workers: Optional[int] = field(default=None, init=False)
 
     @classmethod

@@ -36,7 +36,7 @@ from .data.shards import DatasetInfo
 from .errors import ConfigError, UserError
 from .local_group import free_port
 from .metrics.efficiency import summarize
-from .metrics.memory import CACHING_ALLOCATOR_ENV
+from .metrics.memory import CACHING_ALLOCATOR_ENV, RETURNING_ALLOCATOR_ENV
 from .metrics.records import RecordWriter, merge, progress_line, read_records, table, write_table
 from .provenance import record_run
 from .strategies import state as one_format
@@ -101,8 +101,8 @@ def worker_env(spec: ExperimentSpec | None = None) -> dict[str, str]:
     }
     if not (spec and spec.scaling.use_gpu):
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed would otherwise look for CUDA
-        if not spec or spec.scaling.host_allocator == "caching":  # CPU workers only: on GPUs it was never measured
-            env.update(CACHING_ALLOCATOR_ENV)
+        allocator = spec.scaling.host_allocator if spec else "caching"  # CPU workers only: on GPUs never measured
+        env.update({"caching": CACHING_ALLOCATOR_ENV, "returning": RETURNING_ALLOCATOR_ENV}.get(allocator, {}))
     return env
 
 
