@@ -224,14 +224,29 @@ def main() -> None:
 FINDINGS = """
 ## What is known about the excess
 
+Traced per phase (each rank's resident size and glibc's bytes in use, sampled every 2 ms, tagged with
+the block whose forward or backward pass was running):
+
 - Building and filling the model is within its share: a worker's model is built with no parameter storage
-  and each rank draws or reads only its own pieces (one whole tensor at a time), so after the build a
-  rank holds its share of the weights plus at most one tensor.
-- The excess comes with the training steps. Under the caching allocator freed blocks stay in one
-  never-trimmed heap, and each step's gathered units, gradients and communication buffers, of many
-  sizes, leave it fragmented: it grows step after step. Under glibc's defaults the steps still hold
-  more than the share beyond the build: gathered units, reduce-scatter inputs and gloo's own buffers,
-  not yet broken down per operation.
+  and each rank draws or reads only its own pieces (one whole tensor at a time). ZeRO-3's partitions are
+  made one parameter at a time through DeepSpeed's `zero.Init`, so no rank holds the whole model; what
+  `deepspeed.initialize` then allocates (its flat partition buffers) is DeepSpeed's.
+- The steps of a sharded engine free much memory between blocks that outlive it: FSDP makes each unit's
+  whole gradients during the backward pass and frees them between the gradient shards it keeps. Under
+  glibc's defaults (`system`) the heap keeps those holes resident: once one large block has been freed,
+  glibc serves blocks up to that size from the heap rather than from mappings of their own, so the
+  resident size grows block after block through the backward pass while the bytes in use stay near the
+  share. `returning` maps every block of 64 KiB or more on its own, and the resident size follows the
+  bytes in use; `caching` keeps everything freed, for speed, and grows the most.
+- What remains beyond the share under `returning` is working memory: the activations the backward pass
+  needs (a few MB a block here), the gathered units in flight and the root module's gathered embedding
+  and its whole gradient.
+- ZeRO-3 holds more than its share by DeepSpeed's design: its stage-3 optimizer keeps an fp32 copy of
+  each partition beside the partition itself even when the model is fp32 on the same device (it compares
+  the partition's `torch.device` with the accelerator's device name, a string, which never tests equal;
+  DeepSpeed 0.19.8, `stage3.py`, `_create_fp32_partitions`), so weights, that copy and the gradient
+  partition come to 1.5 times the share before any working memory; and parameters fetched for the last
+  evaluation stay gathered until the next step.
 """
 
 
