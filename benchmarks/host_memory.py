@@ -24,7 +24,8 @@ gradients). A rank's share is 8 bytes for each element of the parameters it hold
 stages: what it saves). The same runs of a tiny GPT-2 (1 layer, 64 wide) give what a rank holds whatever
 the model (the interpreter, torch, DeepSpeed, the data, the process group). Target: no rank's peak,
 less the tiny run's, above 1.5 times its share; in the async run, above 1.5 times its share plus its
-snapshot (the bytes it saves, copied to host memory for the background write: its weights here).
+snapshot (the pieces it writes, copied to host memory for the background write: its weights here, a
+replicated tensor copied by the one rank that writes it).
 
 Prints the table, writes benchmarks/results/host_memory.json and docs/host-memory.md.
 """
@@ -86,12 +87,15 @@ def _rank(rank: int, world: int, spec_dict: dict, info_dict: dict, root: str, re
     trainer = Trainer(spec, info, ctx, reporter, memory_train_loader(spec, read_split(info, info.train_path)),
                       read_split(info, info.val_path), log=lambda *_: None)
     records = trainer.run()
-    pieces = [(name, t) for name, _, t in trainer.engine.saved_pieces() if isinstance(t, torch.Tensor) and t.dim() > 0]
-    held = sum(t.numel() for name, t in pieces if "/" not in name)
+    from raytrain_par.strategies import state
+
+    held = sum(t.numel() for name, _, t in trainer.engine.saved_pieces()
+               if "/" not in name and isinstance(t, torch.Tensor) and t.dim() > 0)
+    written = state.parts(trainer.engine).pieces  # what an async save copies to host memory: the pieces it writes
     status = Path("/proc/self/status").read_text()
     peak = next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:"))
-    return {"peak_bytes": peak, "held_elements": held, "saved_bytes": sum(t.numel() * t.element_size() for _, t in pieces),
-            "steps": len(records)}
+    return {"peak_bytes": peak, "held_elements": held, "steps": len(records),
+            "snapshot_bytes": sum(t.numel() * t.element_size() for _, _, t in written if t.dim() > 0)}
 
 
 def pretrained_dir(spec, info, where: Path) -> Path:
@@ -182,7 +186,7 @@ def main() -> None:
                 ranks = []
                 for rank, (b, t) in enumerate(zip(big[run], tiny[run])):
                     share = b["held_elements"] * BYTES_PER_ELEMENT
-                    snapshot = b["saved_bytes"] if run == "async" else 0
+                    snapshot = b["snapshot_bytes"] if run == "async" else 0
                     ranks.append({"allocator": allocator, "strategy": strategy, "run": run, "rank": rank,
                                   "peak_bytes": b["peak_bytes"], "tiny_peak_bytes": t["peak_bytes"],
                                   "share_bytes": share, "snapshot_bytes": snapshot,
