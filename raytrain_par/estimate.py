@@ -20,7 +20,7 @@ import torch
 
 from . import config, data, models, strategies
 from .errors import ConfigError, UserError
-from .metrics.memory import StateBytes, size_text
+from .metrics.memory import StateBytes, optimizer_state_bytes, size_text
 from .strategies.context import DTYPES
 from .tables import text_table
 
@@ -49,6 +49,8 @@ class Row:
     note: str = ""  # why the layout cannot exist: the row has no figures
     remark: str = ""  # how the row was estimated where that differs from the experiment
     speed: object = None  # metrics/steptime.StepTime on the device asked for (`estimate(..., device=)`)
+    host_build: float = 0.0  # host memory to build and fill a worker's model beyond its share: one whole tensor
+    host_save: float = 0.0  # host memory of an async save's snapshot: the pieces the worker writes
     tokens_per_row: int = 1  # a sample's tokens (text), else 1: what throughput counts
     spec: object = None  # the experiment this row stands for (its strategy and worker count)
 
@@ -155,15 +157,7 @@ def pipeline_ranks(s: config.ExperimentSpec, info) -> list[RankEstimate]:
     how many microbatches each rank keeps in flight. Under mixed precision, what one microbatch saves
     is told apart from what a step saves once (autocast's 16-bit weight copies) by counting two sizes
     of microbatch: the saved bytes grow linearly in the rows."""
-    from .strategies.stages import split_model
-
-    cls, pipe = strategies.engine_class(s.strategy.name, s.strategy.options).estimate_pipeline(s.strategy.options)
-    _, ranges, outputs = split_model(models.build_on_meta(s.model, info)[0], pipe.stages * pipe.stages_per_worker,
-                                     pipe.split_points, pipe.balance)
-    model, task = models.build_on_meta(s.model, info)
-    layers, _ = cls.estimate_stage_inputs(model, task, s.strategy.options)
-    params = {i: models.parameter_count_of(p for layer in layers[a:b] for p in layer.parameters())
-              for i, (a, b) in enumerate(ranges)}
+    cls, pipe, ranges, outputs, params = _stages(s, info)
     rows = max(1, s.per_worker_batch // s.train.gradient_accumulation_steps // pipe.num_microbatches)
     one, loss_one = _stage_activations(s, info, cls, ranges, outputs, rows)
     if s.train.precision == "fp32":
@@ -175,6 +169,38 @@ def pipeline_ranks(s: config.ExperimentSpec, info) -> list[RankEstimate]:
         loss = loss_two - loss_one
     return [RankEstimate(*cls.estimate_rank(pipe, s.train, s.layout.data, p, params, micro, fixed, loss))
             for p in range(pipe.stages)]
+
+
+def saved_bytes(s: config.ExperimentSpec, held: int) -> float:
+    """What one worker writes of a checkpoint, and so what an async save copies to its host memory (its
+    snapshot, strategies/state.py): the fp32 weight and optimizer states of each parameter it holds (`held`:
+    its tensor-parallel shard or its pipeline stage; the whole model otherwise), divided among the
+    data-parallel ranks, which shard them (fsdp, zero-3; zero-1/2's states) or, holding them alike,
+    write each tensor once, spread by name (a replicated tensor is written by one rank: the share is an
+    average there, uneven by whole tensors)."""
+    return (4 + optimizer_state_bytes(s.train)) * held / s.layout.data
+
+
+def _stages(s: config.ExperimentSpec, info):
+    """The pipeline engine's class and options, the model's stages as it splits them (layer ranges, and the
+    outputs of the split model) and each stage's parameter count (the later stage's copy of a tied weight
+    counted there)."""
+    from .strategies.stages import split_model
+
+    cls, pipe = strategies.engine_class(s.strategy.name, s.strategy.options).estimate_pipeline(s.strategy.options)
+    _, ranges, outputs = split_model(models.build_on_meta(s.model, info)[0], pipe.stages * pipe.stages_per_worker,
+                                     pipe.split_points, pipe.balance)
+    layers, _ = cls.estimate_stage_inputs(*models.build_on_meta(s.model, info), s.strategy.options)
+    params = {i: models.parameter_count_of(p for layer in layers[a:b] for p in layer.parameters())
+              for i, (a, b) in enumerate(ranges)}
+    return cls, pipe, ranges, outputs, params
+
+
+def stage_parameters(s: config.ExperimentSpec, info) -> list[int]:
+    """Parameters of each pipeline rank's stages, split as the engine splits the model."""
+    _, pipe, _, _, params = _stages(s, info)
+    of = getattr(pipe, "stages_of", lambda rank: [rank])  # a rank's stages (several where interleaved)
+    return [sum(params[i] for i in of(rank)) for rank in range(pipe.stages)]
 
 
 def _fake_batch(info, rows: int) -> dict[str, torch.Tensor]:
@@ -208,6 +234,7 @@ def _memory(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterable
     model, _ = models.build_on_meta(spec.model, info)
     n = models.parameter_count(model)
     unit = largest_unit_bytes(model, spec.train.precision)
+    largest = 4 * max((p.numel() for p in model.parameters()), default=0)  # drawn whole, in fp32
     act_cache: dict[tuple[int, int], int] = {}
     # the options a sweep gives a strategy (e.g. megatron's tensor_parallel), else its defaults
     swept = {s["name"]: s for s in (spec.sweep or {}).get("grid", {}).get("strategy", [])
@@ -236,7 +263,8 @@ def _memory(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterable
                 # the pipeline rank that holds the most, of its model states and activations together
                 r = max(pipeline_ranks(s, info), key=lambda r: r.device_bytes)
                 rows.append(Row(name, w, n, r.states.theory, r.states.expected, r.states.offloaded, r.activations,
-                                r.gathered, remark=remark, spec=s))
+                                r.gathered, remark=remark, spec=s, host_build=largest,
+                                host_save=saved_bytes(s, max(stage_parameters(s, info)))))
                 continue
             # one worker's parameters before data-parallel sharding (its tensor-parallel shard)
             local = models.parameter_count_of(cls.estimate_inputs(*models.build_on_meta(spec.model, info),
@@ -252,7 +280,7 @@ def _memory(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterable
                                                   s.train.activation_checkpointing, s.strategy)
             gathered = 2 * unit if name in ("zero-3", "fsdp") and s.layout.data > 1 else 0
             rows.append(Row(name, w, n, est.theory, est.expected, est.offloaded, act_cache[key], gathered,
-                            remark=remark, spec=s))
+                            remark=remark, spec=s, host_build=largest, host_save=saved_bytes(s, local)))
     return rows
 
 
@@ -482,6 +510,7 @@ def row_document(r: Row, device_memory: int | None, device=None, target: ToTarge
            "remark": r.remark or None,
            **({"states_theory_bytes": r.theory, "states_expected_bytes": r.expected, "in_host_bytes": r.offloaded,
                "activation_bytes": r.activations, "gathered_bytes": r.gathered, "per_worker_bytes": r.device_bytes,
+               "host_build_bytes": r.host_build, "host_async_save_bytes": r.host_save,
                "mem_per_worker_bytes": r.device_bytes,
                "bytes_per_parameter": r.expected / r.params if r.params else None,
                "fits": None if device_memory is None else r.device_bytes <= device_memory} if possible else {})}
@@ -513,7 +542,7 @@ def table(rows: list[Row], device_memory: int | None, device=None, target: ToTar
     device, the step's time, split into computation, exposed communication and bubble, and what it
     achieves."""
     head = ["strategy", "workers", "states theory", "states expected", "in host", "activations", "gathered",
-            "per worker", "B/param", "fits"]
+            "per worker", "B/param", "fits", "host: build", "host: async save"]
     if device is not None:
         head += ["step (s)", "compute", "comm", "bubble", "tokens/s", "TFLOP/s/GPU", "MFU"]
         if target is not None:
@@ -530,7 +559,7 @@ def table(rows: list[Row], device_memory: int | None, device=None, target: ToTar
         out.append([r.strategy, str(r.workers), size_text(r.theory), size_text(r.expected),
                     size_text(r.offloaded) if r.offloaded else "-", size_text(r.activations),
                     size_text(r.gathered) if r.gathered else "-", size_text(r.device_bytes),
-                    f"{r.expected / r.params:.2f}", fits])
+                    f"{r.expected / r.params:.2f}", fits, size_text(r.host_build), size_text(r.host_save)])
         if device is not None:
             d = speed_document(r, device)
             out[-1] += (["-"] * 7 if d["step_time_s"] is None else

@@ -71,6 +71,39 @@ def test_sharded_strategies_match_ddp_and_hold_what_the_estimate_says(info):
     assert held["zero-3"] < held["zero-2"]
 
 
+def _written_bytes(rank, world, specs: dict, info_dict: dict) -> dict:
+    """Each engine after one step: the bytes of the pieces this rank writes in a checkpoint (what an async
+    save copies to host memory)."""
+    out = {}
+    info = DatasetInfo.from_json(info_dict)
+    for name, spec_dict in specs.items():
+        spec = config.from_dict(spec_dict)
+        engine, _ = strategies.start_engine(spec, info, DistContext.current(torch.device("cpu")), 1)
+        loader = MemoryLoader(read_split(info, info.train_path), spec.train.global_batch_size, engine.dp_rank,
+                              engine.dp_size, spec.train.seed)
+        engine.train_step(next(iter(loader.epoch(0))))
+        out[name] = sum(t.numel() * t.element_size() for _, _, t in one_format.parts(engine).pieces if t.dim() > 0)
+    return out
+
+
+def test_an_async_saves_snapshot_is_the_share_estimate_gives(info):
+    """estimate's host memory of an async save (the pieces a worker writes): on 2 ranks, the two ranks' pieces
+    add up to twice the figure (every tensor written once), and where the ranks shard the states each
+    writes the figure itself."""
+    from raytrain_par import estimate
+
+    specs = {name: experiment(MODEL, "kjv", strategy=name, workers=2, steps=1, batch=4)
+             for name in ["ddp", "zero-1", "zero-3", "fsdp"]}
+    written = run_ranks(2, _written_bytes, specs, info("kjv"))
+    for name, spec in specs.items():
+        row, = estimate.estimate(config.from_dict(spec), [name], [2])
+        assert written[0][name] + written[1][name] == pytest.approx(2 * row.host_save, rel=1e-3), name
+        if name in ("zero-3", "fsdp"):
+            assert max(written[0][name], written[1][name]) == pytest.approx(row.host_save, rel=0.01), name
+        model, _ = models.build_on_meta(config.from_dict(spec).model, DatasetInfo.from_json(info("kjv")))
+        assert row.host_build == 4 * max(p.numel() for p in model.parameters())  # one tensor drawn whole, in fp32
+
+
 def _held_with_collector(rank, world, specs: dict, info_dict: dict, collector_on: bool) -> dict:
     import gc
 
@@ -228,8 +261,10 @@ def test_estimate_prints_each_strategy_and_flags_what_does_not_fit(capsys):
     assert "26.3M parameters" in lines[0]
     rows = {(cells[0], int(cells[1])): cells for cells in (line.split() for line in lines[2:])}
     assert set(rows) == {(s, w) for s in ("ddp", "zero-3", "fsdp") for w in (1, 4)}
-    assert rows[("ddp", 4)][-1] == "NO" and rows[("fsdp", 4)][-1] == "yes"  # 16 vs 4 B/param of 26M + activations
-    assert float(rows[("fsdp", 4)][-2]) == pytest.approx(4.0)  # bytes per parameter
+    # ... B/param, fits, host: build (a size), host: async save (a size)
+    assert rows[("ddp", 4)][-5] == "NO" and rows[("fsdp", 4)][-5] == "yes"  # 16 vs 4 B/param of 26M + activations
+    assert float(rows[("fsdp", 4)][-6]) == pytest.approx(4.0)  # bytes per parameter
+    assert float(rows[("fsdp", 4)][-2]) == pytest.approx(float(rows[("fsdp", 1)][-2]) / 4, rel=0.01)  # a quarter
     assert main(["estimate", path, "--workers", "0"]) == 2
     assert "--workers" in capsys.readouterr().err
 
