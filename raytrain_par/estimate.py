@@ -98,6 +98,7 @@ class RankEstimate:
     states: StateBytes
     activations: float
     gathered: float
+    params: int = 0  # of its stages (several where interleaved)
 
     @property
     def device_bytes(self) -> float:
@@ -167,7 +168,9 @@ def pipeline_ranks(s: config.ExperimentSpec, info) -> list[RankEstimate]:
         micro = {i: two[i] - one[i] for i in one}
         fixed = {i: max(0.0, 2 * one[i] - two[i]) for i in one}
         loss = loss_two - loss_one
-    return [RankEstimate(*cls.estimate_rank(pipe, s.train, s.layout.data, p, params, micro, fixed, loss))
+    of = getattr(pipe, "stages_of", lambda rank: [rank])  # a rank's stages (several where interleaved)
+    return [RankEstimate(*cls.estimate_rank(pipe, s.train, s.layout.data, p, params, micro, fixed, loss),
+                         params=sum(params[i] for i in of(p)))
             for p in range(pipe.stages)]
 
 
@@ -194,13 +197,6 @@ def _stages(s: config.ExperimentSpec, info):
     params = {i: models.parameter_count_of(p for layer in layers[a:b] for p in layer.parameters())
               for i, (a, b) in enumerate(ranges)}
     return cls, pipe, ranges, outputs, params
-
-
-def stage_parameters(s: config.ExperimentSpec, info) -> list[int]:
-    """Parameters of each pipeline rank's stages, split as the engine splits the model."""
-    _, pipe, _, _, params = _stages(s, info)
-    of = getattr(pipe, "stages_of", lambda rank: [rank])  # a rank's stages (several where interleaved)
-    return [sum(params[i] for i in of(rank)) for rank in range(pipe.stages)]
 
 
 def _fake_batch(info, rows: int) -> dict[str, torch.Tensor]:
@@ -261,10 +257,11 @@ def _memory(spec: config.ExperimentSpec, names: Iterable[str], workers: Iterable
             cls = strategies.engine_class(name, s.strategy.options)
             if cls.estimate_pipeline(s.strategy.options) is not None:
                 # the pipeline rank that holds the most, of its model states and activations together
-                r = max(pipeline_ranks(s, info), key=lambda r: r.device_bytes)
+                ranks = pipeline_ranks(s, info)
+                r = max(ranks, key=lambda r: r.device_bytes)
                 rows.append(Row(name, w, n, r.states.theory, r.states.expected, r.states.offloaded, r.activations,
                                 r.gathered, remark=remark, spec=s, host_build=largest,
-                                host_save=saved_bytes(s, max(stage_parameters(s, info)))))
+                                host_save=saved_bytes(s, max(r.params for r in ranks))))
                 continue
             # one worker's parameters before data-parallel sharding (its tensor-parallel shard)
             local = models.parameter_count_of(cls.estimate_inputs(*models.build_on_meta(spec.model, info),

@@ -249,8 +249,8 @@ def zero_collectives(stage: int, model: nn.Module, dp: int, dtype_bytes: int, ze
 
 
 def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_points: list[int] | None = None,
-                   balance: str = "flops", reshard_after_forward: bool = True, zero: dict | None = None
-                   ) -> list[Collective]:
+                   balance: str = "flops", reshard_after_forward: bool = True, zero: dict | None = None,
+                   split: tuple | None = None, shard: tuple | None = None) -> list[Collective]:
     """The collectives rank `rank` runs in one training step (after the first two, whose DDP bucket order
     is rebuilt) of `model` (the plain model; on the meta device is enough) under `layout`:
 
@@ -268,6 +268,9 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
       zero-1/2/3, `zero_collectives` (`zero`: DeepSpeed's zero_optimization section);
     - the noise scale's four scalars over every rank where it is measured; and where gradients are
       clipped and no rank holds the whole gradient, its squared norm summed over each group that splits it.
+
+    `split` (`stages.split_model`'s answer) and `shard` (`tensor_parallel_shard`'s): where the caller has them
+    already, as for every pipeline rank of one layout (each costs a pass over the whole model).
     """
     from ..models import pipeline_layers, tensor_parallel_plan_of
     from ..strategies.fsdp import shard_units
@@ -285,12 +288,12 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
     tokens_per_row = math.prod(model.input_shape)
     rows = step.rows // D // step.accumulation  # of one accumulation step of one replica
     plain_layers = pipeline_layers(model)
-    whole, layers = _tensor_parallel_shard(model, T)  # what this rank holds (the plain model where T = 1)
+    whole, layers = shard or tensor_parallel_shard(model, T)  # what this rank holds (the plain model where T = 1)
     out: list[Collective] = []
     if P > 1:
         stages = P * layout.virtual_stages
         owner = {s: p for p in range(P) for s in layout.stages_of(p)}
-        _, ranges, outputs = split_model(model, stages, split_points, balance)
+        _, ranges, outputs = split or split_model(model, stages, split_points, balance)
         local = layout.stages_of(coords.pipeline)
         micro, passes = rows // layout.microbatches, layout.microbatches * step.accumulation
         for s in local:
@@ -349,7 +352,7 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
     return out
 
 
-def _tensor_parallel_shard(model: nn.Module, tp: int) -> tuple[nn.Module, list[nn.Module]]:
+def tensor_parallel_shard(model: nn.Module, tp: int) -> tuple[nn.Module, list[nn.Module]]:
     """One tensor-parallel rank's model and pipeline layers: for `tp` > 1 a copy split as megatron's
     stages split it (megatron_pipeline.split_shapes); the model itself where tp = 1."""
     from .. import models
