@@ -41,6 +41,7 @@ time a rank was not computing (idle while waiting for its neighbours), to set ag
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -147,18 +148,36 @@ def schedule_actions(options: Options, pp_rank: int) -> list[tuple[int, str]]:
     schedule's own order (the one torch checks and draws): torch builds it only from live stages in a
     process group, so its private order functions (checked against torch 2.13) are called here on an
     object given just the degrees they read."""
+    return list(_schedule_actions(options.schedule, options.stages, options.stages_per_worker,
+                                  options.num_microbatches, pp_rank))
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_actions(schedule: str, P: int, V: int, M: int, pp_rank: int) -> tuple[tuple[int, str], ...]:
+    """`schedule_actions` by the degrees it reads, kept: a single-stage schedule's order is worked out for
+    every rank at once (`_get_pipeline_order`), and an estimate asks for each rank of a deep pipeline in turn."""
     from torch.distributed.pipelining import schedules
 
-    cls, P, V, M = SCHEDULES[options.schedule], options.stages, options.stages_per_worker, options.num_microbatches
+    cls = SCHEDULES[schedule]
+    if issubclass(cls, schedules.PipelineScheduleSingle):
+        actions = _single_stage_order(schedule, P, V, M)[pp_rank]
+    else:
+        actions = _order(cls, P, V, M, pp_rank)._calculate_single_rank_operations(pp_rank)
+    return tuple((a.stage_index, a.computation_type.value) for a in actions if a is not None)
+
+
+@functools.lru_cache(maxsize=8)
+def _single_stage_order(schedule: str, P: int, V: int, M: int) -> dict:
+    return _order(SCHEDULES[schedule], P, V, M, 0)._get_pipeline_order()
+
+
+def _order(cls, P: int, V: int, M: int, pp_rank: int):
+    """An object of schedule class `cls` given just the degrees its order functions read."""
     rounds = max(1, M // P)
     order = cls.__new__(cls)
     order.__dict__.update(pp_group_size=P, n_local_stages=V, _n_microbatches=M, number_of_rounds=rounds,
                           microbatches_per_round=M // rounds, rank=pp_rank, num_stages=P * V, _num_stages=P * V)
-    if issubclass(cls, schedules.PipelineScheduleSingle):
-        actions = order._get_pipeline_order()[pp_rank]
-    else:
-        actions = order._calculate_single_rank_operations(pp_rank)
-    return [(a.stage_index, a.computation_type.value) for a in actions if a is not None]
+    return order
 
 
 def held_activations(actions: list[tuple[int, str]], micro: dict[int, float], loss: float = 0.0) -> float:
