@@ -78,7 +78,7 @@ def _rank(rank: int, world: int, spec_dict: dict, info_dict: dict, root: str, re
 
     from raytrain_par.config import from_dict
     from raytrain_par.data.shards import DatasetInfo, read_split
-    from raytrain_par.strategies import DistContext
+    from raytrain_par.strategies import DistContext, state
     from raytrain_par.worker import LocalReporter, Trainer, memory_train_loader
 
     spec, info = from_dict(spec_dict), DatasetInfo.from_json(info_dict)
@@ -87,8 +87,6 @@ def _rank(rank: int, world: int, spec_dict: dict, info_dict: dict, root: str, re
     trainer = Trainer(spec, info, ctx, reporter, memory_train_loader(spec, read_split(info, info.train_path)),
                       read_split(info, info.val_path), log=lambda *_: None)
     records = trainer.run()
-    from raytrain_par.strategies import state
-
     held = sum(t.numel() for name, _, t in trainer.engine.saved_pieces()
                if "/" not in name and isinstance(t, torch.Tensor) and t.dim() > 0)
     written = state.parts(trainer.engine).pieces  # what an async save copies to host memory: the pieces it writes

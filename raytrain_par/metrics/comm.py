@@ -269,8 +269,8 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
     - the noise scale's four scalars over every rank where it is measured; and where gradients are
       clipped and no rank holds the whole gradient, its squared norm summed over each group that splits it.
 
-    `split` (`stages.split_model`'s answer) and `shard` (`tensor_parallel_shard`'s): where the caller has them
-    already, as for every pipeline rank of one layout (each costs a pass over the whole model).
+    `split` (`stages.split_model`'s answer) and `shard` (`_tensor_parallel_shard`'s): where the caller has them
+    already, as `each_pipeline_rank` has (each costs a pass over the whole model).
     """
     from ..models import pipeline_layers, tensor_parallel_plan_of
     from ..strategies.fsdp import shard_units
@@ -288,7 +288,7 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
     tokens_per_row = math.prod(model.input_shape)
     rows = step.rows // D // step.accumulation  # of one accumulation step of one replica
     plain_layers = pipeline_layers(model)
-    whole, layers = shard or tensor_parallel_shard(model, T)  # what this rank holds (the plain model where T = 1)
+    whole, layers = shard or _tensor_parallel_shard(model, T)  # what this rank holds (the plain model where T = 1)
     out: list[Collective] = []
     if P > 1:
         stages = P * layout.virtual_stages
@@ -352,7 +352,21 @@ def predicted_step(layout, model: nn.Module, step: Step, rank: int = 0, split_po
     return out
 
 
-def tensor_parallel_shard(model: nn.Module, tp: int) -> tuple[nn.Module, list[nn.Module]]:
+def each_pipeline_rank(layout, model: nn.Module, step: Step, split_points: list[int] | None = None,
+                       balance: str = "flops", zero: dict | None = None) -> list[list[Collective]]:
+    """`predicted_step` of each pipeline rank (its first data-parallel and tensor rank), the stage split and the
+    tensor-parallel shard worked out once for all of them: each is a pass over the whole model."""
+    from ..strategies.stages import split_model
+
+    split = shard = None
+    if layout.pipeline > 1:
+        split = split_model(model, layout.pipeline * layout.virtual_stages, split_points, balance)
+        shard = _tensor_parallel_shard(model, layout.tensor)
+    return [predicted_step(layout, model, step, layout.rank_of(p, 0, 0), split_points, balance, zero=zero,
+                           split=split, shard=shard) for p in range(layout.pipeline)]
+
+
+def _tensor_parallel_shard(model: nn.Module, tp: int) -> tuple[nn.Module, list[nn.Module]]:
     """One tensor-parallel rank's model and pipeline layers: for `tp` > 1 a copy split as megatron's
     stages split it (megatron_pipeline.split_shapes); the model itself where tp = 1."""
     from .. import models

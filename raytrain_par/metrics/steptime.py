@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .comm import Collective, Step, predicted_step, tensor_parallel_shard
+from .comm import Collective, Step, each_pipeline_rank
 
 #: of forward + backward: the backward pass (two matmuls per forward one), and a recomputed forward
 BACKWARD_SHARE = 2 / 3
@@ -114,14 +114,7 @@ def rank_collectives(layout, model, step: Step, zero: dict | None = None, split_
                      ) -> list[list[Collective]]:
     """Each pipeline rank's collectives of one step (its first data-parallel and tensor rank): what
     `timed` costs on a device. The device does not change them; a model of many ranks takes seconds."""
-    split = shard = None
-    if layout.pipeline > 1:  # worked out once for every pipeline rank: each is a pass over the whole model
-        from ..strategies.stages import split_model
-
-        split = split_model(model, layout.pipeline * layout.virtual_stages, split_points, balance)
-        shard = tensor_parallel_shard(model, layout.tensor)
-    return [predicted_step(layout, model, step, layout.rank_of(p, 0, 0), split_points, balance, zero=zero,
-                           split=split, shard=shard) for p in range(layout.pipeline)]
+    return each_pipeline_rank(layout, model, step, split_points, balance, zero=zero)
 
 
 def timed(layout, by_rank: list[list[Collective]], flops_per_step: float, device, precision: str,
